@@ -1,0 +1,31 @@
+# The two commands a newcomer runs: `make demo` and `make test`. Each builds what is
+# missing (the venvs, keyed on a hash of what they install) and then runs.
+SHELL := /bin/bash
+VENV := .venv
+PYTEST_ARGS ?=
+
+# Prefect offline and project-local: no analytics, its home (SQLite DB, settings) in the tree.
+export PREFECT_HOME ?= $(CURDIR)/.prefect
+export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
+export DO_NOT_TRACK ?= 1
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 90
+export HF_HUB_OFFLINE ?= 1
+
+.PHONY: demo test venv venv-vllm clean-venvs
+
+venv:
+	@scripts/ensure_venv.sh pipeline
+
+venv-vllm:
+	@scripts/ensure_venv.sh vllm
+
+## make demo: the whole pipeline (the stages built so far) on the embedded defaults.
+demo: venv venv-vllm
+	@$(VENV)/bin/eagle3 run $(ARGS)
+
+## make test: the test suite.
+test: venv venv-vllm
+	@$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+clean-venvs:
+	rm -rf .venv .venv-vllm

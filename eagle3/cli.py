@@ -1,0 +1,145 @@
+"""The ``eagle3`` command.
+
+Design choices:
+- Only argparse and the config module load at start-up, so ``eagle3 --help`` is instant;
+  torch, datasets and Prefect are imported inside the command that needs them.
+- This is the one module of ``eagle3`` that reaches Prefect: it is the entry point that
+  decides how stages run (as Prefect flows). Library modules never import it.
+- Errors a user can fix (config, source, bad rows over the threshold) print one clear
+  message and exit 1; a traceback means a bug.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+STAGE_COMMANDS = ("prepare", "generate", "tokenize", "vocab", "extract", "train", "evaluate", "export")
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE.toml", help="pipeline config; without it the embedded defaults (the demo) apply")
+    p.add_argument(
+        "--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+        help="override one key, e.g. --set generation.concurrency=64 (value read as a TOML literal, else a string); repeatable",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="eagle3", description="Train an EAGLE-3 drafter for a vLLM-served target model.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_config_args(sub.add_parser("run", help="run every stage that is built, as the eagle3-pipeline flow"))
+    for stage in STAGE_COMMANDS:
+        _add_config_args(sub.add_parser(stage, help=f"run stage {stage} alone (flow eagle3-{stage})"))
+    status = sub.add_parser("status", help="accounting per stage, read from RUN_DIR/manifest.json")
+    status.add_argument("run_dir", metavar="RUN_DIR")
+    tiny = sub.add_parser("make-tiny", help="build the tiny offline test model and tokenizer")
+    tiny.add_argument("out_dir", metavar="OUT_DIR")
+    tiny.add_argument("--arch", choices=("qwen3", "llama"), default="qwen3")
+    config = sub.add_parser("config", help="inspect configuration")
+    config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    show = config_sub.add_parser("show", help="print the resolved config as TOML")
+    _add_config_args(show)
+    show.add_argument("--docs", action="store_true", help="print each key's description above it")
+    return parser
+
+
+def _prefect_defaults() -> None:
+    """Offline-friendly Prefect settings unless the user chose otherwise."""
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+
+
+def _load(args: argparse.Namespace):
+    from eagle3.config import load_config
+
+    return load_config(args.config, args.sets)
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    from eagle3.config import to_toml
+
+    print(to_toml(_load(args), docs=args.docs), end="")
+    return 0
+
+
+def cmd_make_tiny(args: argparse.Namespace) -> int:
+    from eagle3.tiny import build_tiny
+
+    out = build_tiny(args.out_dir, arch=args.arch)
+    print(f"built tiny {args.arch} model and tokenizer in {out}")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from eagle3.report import status_table
+
+    print(status_table(args.run_dir))
+    return 0
+
+
+def _summary(config, results: dict) -> str:
+    from eagle3.report import status_table
+
+    lines = [status_table(config.run_dir), ""]
+    if "prepare" in results:
+        lines.append(f"prompts:  {results['prepare'].out_dir}  (rejected rows and reasons: {Path(results['prepare'].out_dir) / 'rejected.jsonl'})")
+    lines.append(f"manifest: {Path(config.run_dir) / 'manifest.json'}")
+    return "\n".join(lines)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    config = _load(args)
+    _prefect_defaults()
+    from flows.pipeline import BUILT, STAGES, pipeline_flow
+
+    results = pipeline_flow(config)
+    print(_summary(config, results))
+    missing = [s for s in STAGES if s not in BUILT]
+    if missing:
+        print(f"not built yet in this version: {', '.join(missing)}")
+    return 0
+
+
+def cmd_stage(args: argparse.Namespace) -> int:
+    config = _load(args)
+    _prefect_defaults()
+    from flows.pipeline import BUILT
+
+    if args.command not in BUILT:
+        print(f"eagle3 {args.command}: this stage is not built yet; built so far: {', '.join(BUILT)}", file=sys.stderr)
+        return 2
+    from flows.prepare import prepare_flow
+
+    results = {"prepare": prepare_flow(config)}
+    print(_summary(config, results))
+    return 0
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from eagle3.config import ConfigError
+    from eagle3.manifest import AccountingError
+    from eagle3.prepare.sources import SourceError
+    from eagle3.prepare.stage import PrepareError
+
+    return (ConfigError, SourceError, PrepareError, AccountingError, FileNotFoundError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "config":
+        handler = cmd_config_show
+    else:
+        handler = {"run": cmd_run, "status": cmd_status, "make-tiny": cmd_make_tiny}.get(args.command, cmd_stage)
+    try:
+        return handler(args)
+    except _user_errors() as exc:
+        print(f"eagle3 {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,363 @@
+"""Pipeline configuration: one strict pydantic model per stage, composed into one.
+
+Design choices:
+- Unknown keys are errors (``extra="forbid"``): a typo such as ``concurency`` must fail at
+  load time naming the key and where it came from, never be ignored.
+- Every field carries its documentation in ``description``; the text says what the knob
+  does and why its default is what it is. ``eagle3 config show`` and the Prefect UI form
+  both render from these models, so the docs cannot drift from the code.
+- The embedded defaults run the demo (tiny model, shipped prompt file) so that
+  ``eagle3 run`` works on a fresh machine with no config file.
+- Models are frozen: a config is a value that can be hashed into cache keys.
+- No heavy imports here: flows and the CLI load this module before anything else.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import textwrap
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class ConfigError(ValueError):
+    """A configuration problem, phrased for the person who wrote the config."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class DataConfig(_Strict):
+    """Where prompts come from and how they are cut into shards (stage ``prepare``)."""
+
+    source: str = Field(
+        "builtin:demo_prompts",
+        description=(
+            "Prompt source: a Hugging Face hub dataset id (e.g. mlabonne/open-perfectblend), a local "
+            ".jsonl/.json/.parquet file, a folder of such files, or builtin:demo_prompts (the ~300 "
+            "prompts shipped with the project). Relative paths are taken from the working directory. "
+            "Default: the shipped demo file, so a fresh checkout runs with no config."
+        ),
+    )
+    split: str = Field("train", description="Dataset split to read from a hub dataset (ignored for local files).")
+    limit: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Read at most this many source rows, chosen as a seeded random sample (data.seed) when the "
+            "source is larger, so a trial run sees the whole mix rather than the first N rows of one "
+            "category. Default: no limit."
+        ),
+    )
+    num_shards: int = Field(
+        4,
+        ge=1,
+        description=(
+            "Number of prompt shards. Each later stage runs one Prefect task per shard, so this sets "
+            "the unit of retry and resume. Default 4 shows parallel shards in the demo; for production "
+            "aim at a few thousand prompts per shard (25k prompts -> ~10 shards)."
+        ),
+    )
+    seed: int = Field(0, description="Seed for the row sample (limit) and the shard assignment.")
+    turns: Literal["last_turn", "first_turn", "all_turns"] = Field(
+        "last_turn",
+        description=(
+            "Which prompts a conversation yields. last_turn: the conversation up to its last user turn "
+            "(earlier turns kept as context, the final answer dropped to be regenerated). first_turn: "
+            "system + first user turn only. all_turns: one prompt per user turn, each with the "
+            "conversation before it as context. Default last_turn: one prompt per row, full context."
+        ),
+    )
+    max_prompt_chars: int = Field(
+        65536,
+        gt=0,
+        description=(
+            "Reject prompts longer than this many characters (all turns together). Characters, not "
+            "tokens, because prepare runs before any tokenizer is loaded; 65536 chars is ~16k tokens "
+            "of English, beyond which few targets leave room for a long reasoning answer."
+        ),
+    )
+    max_rejected_fraction: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "Fail the stage when more than this fraction of candidate prompts is rejected as invalid "
+            "(duplicates do not count). Half the rows being unreadable almost always means a wrong "
+            "schema or file, which should stop the run rather than train on the remainder."
+        ),
+    )
+
+
+class ServerConfig(_Strict):
+    """The target model's vLLM server (stage ``generate``)."""
+
+    mode: Literal["managed", "external"] = Field(
+        "managed",
+        description="managed: the pipeline starts and stops vLLM itself. external: use already-running servers (server.urls).",
+    )
+    model: str = Field(
+        "tiny:qwen3",
+        description=(
+            "The target model: a hub id or a local model folder. tiny:qwen3 and tiny:llama are the tiny "
+            "models the project builds offline into its cache (the demo's target)."
+        ),
+    )
+    urls: list[str] = Field(
+        default_factory=list,
+        description="External mode: OpenAI base URLs ending in /v1, one per replica. Health is checked at the same host's /health.",
+    )
+    python: str = Field(
+        ".venv-vllm/bin/python",
+        description=(
+            "Managed mode: the interpreter that has vllm installed. Default: the CPU venv that "
+            "`make demo` builds. On a GPU machine point it at the environment where vllm is installed."
+        ),
+    )
+    args: list[str] = Field(
+        default_factory=lambda: ["--enforce-eager", "--max-model-len", "4096", "--reasoning-parser", "qwen3"],
+        description=(
+            "Extra arguments passed to the vLLM server (e.g. --tensor-parallel-size 8, --max-num-seqs 256). "
+            "Default: what the CPU demo needs (eager mode starts in ~30 s; qwen3 reasoning parser)."
+        ),
+    )
+    host: str = Field("127.0.0.1", description="Managed mode bind address. Loopback by default: the server is never exposed unless asked.")
+    api_key_env: str = Field(
+        "EAGLE3_API_KEY",
+        description="External mode: name of the environment variable holding the API key (the key itself never goes in a config file). Managed servers get a generated key.",
+    )
+    startup_timeout_s: float = Field(
+        900.0,
+        gt=0,
+        description="Managed mode: how long to wait for /health and /v1/models. Large targets take minutes to load weights; 15 min covers a 1T MoE from local disk.",
+    )
+
+    @field_validator("urls")
+    @classmethod
+    def _urls_end_in_v1(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            if not url.rstrip("/").endswith("/v1"):
+                raise ValueError(f"server.urls entry {url!r} must be an OpenAI base URL ending in /v1")
+        return urls
+
+
+class GenerationConfig(_Strict):
+    """Regenerating answers with the target (stage ``generate``)."""
+
+    concurrency: int = Field(32, gt=0, description="Requests in flight per server. 32 keeps the CPU demo busy; on GPUs match vLLM's --max-num-seqs (e.g. 256).")
+    max_tokens: int = Field(256, gt=0, description="Completion budget per request. 256 suits the tiny demo model; reasoning targets need 8k-32k.")
+    temperature: float = Field(
+        0.6,
+        ge=0.0,
+        description="Sampling temperature. Regenerate at the temperature the deployment will serve at, so the drafter learns that distribution; 0.6 is Qwen3's thinking-mode setting.",
+    )
+    top_p: float = Field(0.95, gt=0.0, le=1.0, description="Nucleus sampling; 0.95 is Qwen3's thinking-mode setting.")
+    request_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="Per-request deadline in seconds. Default: derived from max_tokens (see docs), never a library default.",
+    )
+    max_attempts: int = Field(5, ge=1, description="Attempts per prompt on transient errors (timeouts, 429, 5xx), with backoff.")
+    keep_truncated: bool = Field(
+        True,
+        description=(
+            "Keep samples cut by max_tokens (finish_reason=length). A drafter learns next-token "
+            "distributions, which a truncated sample shows as well as a finished one."
+        ),
+    )
+    max_failure_fraction: float = Field(
+        0.01,
+        ge=0.0,
+        le=1.0,
+        description="End the stage Failed when more than this fraction of prompts fails after all attempts. 1% catches a misconfigured server long before 8% of a run is gone.",
+    )
+
+
+class TokenizeConfig(_Strict):
+    """Token ids and loss masks (stage ``tokenize``)."""
+
+    tokenizer: str | None = Field(None, description="Tokenizer to use; default: the target model's (server.model).")
+    max_seq_len: int = Field(4096, gt=0, description="Longest training sequence in tokens (prompt + completion).")
+    overflow: Literal["truncate", "drop"] = Field(
+        "truncate",
+        description="What to do with longer sequences: truncate keeps the first max_seq_len tokens (the supervised start of a long answer still teaches); drop removes the row with a reason.",
+    )
+
+
+class VocabConfig(_Strict):
+    """The drafter's output vocabulary (stage ``vocab``)."""
+
+    draft_vocab_size: int = Field(
+        32000,
+        gt=0,
+        description="Size of the draft vocabulary: the most frequent supervised tokens. 32000 is EAGLE-3's choice for 128k-vocab targets; at or above the target vocab the mapping is the identity.",
+    )
+
+
+class HiddenStatesConfig(_Strict):
+    """The target's hidden states the drafter trains on (stage ``extract``)."""
+
+    mode: Literal["offline", "online"] = Field("offline", description="offline: store states on disk once; online: compute them inside training when disk would not hold them.")
+    layer_ids: list[int] | None = Field(
+        None,
+        description="The three auxiliary layers (vLLM numbering). Default: low/middle/high chosen from the target's depth so they stay distinct for small models.",
+    )
+    batch_tokens: int = Field(16384, gt=0, description="Tokens per extraction forward pass.")
+
+
+class TrainConfig(_Strict):
+    """Drafter training (stage ``train``)."""
+
+    ttt_steps: int = Field(7, ge=1, description="Training-time-test unroll depth K (EAGLE-3 uses 7).")
+    learning_rate: float = Field(1e-4, gt=0, description="Peak AdamW learning rate (EAGLE-3 recipes use 1e-4 to 5e-5).")
+    epochs: int = Field(2, ge=1, description="Passes over the training split.")
+    batch_tokens: int = Field(16384, gt=0, description="Tokens per optimizer step per process.")
+    nproc_per_node: int = Field(1, ge=1, description="torchrun --nproc-per-node: processes (GPUs) per node.")
+    nnodes: int = Field(1, ge=1, description="torchrun --nnodes: nodes in the job.")
+
+
+class ExportConfig(_Strict):
+    """Checkpoint export (stage ``export``)."""
+
+    formats: list[Literal["vllm", "sglang", "speculators"]] = Field(
+        default_factory=lambda: ["vllm", "sglang"],
+        description="Checkpoint layouts to write.",
+    )
+
+
+class PipelineConfig(_Strict):
+    """The whole pipeline: one run directory and a section per stage."""
+
+    run_dir: str = Field("runs/demo", description="Every stage writes under this folder, one subfolder per stage.")
+    data: DataConfig = Field(default_factory=DataConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    tokenize: TokenizeConfig = Field(default_factory=TokenizeConfig)
+    vocab: VocabConfig = Field(default_factory=VocabConfig)
+    hidden_states: HiddenStatesConfig = Field(default_factory=HiddenStatesConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
+
+
+def section_hash(section: BaseModel) -> str:
+    """A stable hash of one config section, for cache keys and manifests."""
+    text = json.dumps(section.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def parse_set(item: str) -> tuple[list[str], Any]:
+    """Split ``a.b=value``; the value is a TOML literal when it parses as one, else a string."""
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"--set {item!r}: expected key=value, e.g. --set generation.concurrency=64")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.split("."), value
+
+
+def _apply_set(tree: dict, path: list[str], value: Any, item: str) -> None:
+    node = tree
+    for part in path[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {item!r}: {part!r} is a value, not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def _allowed_keys(loc: tuple) -> list[str]:
+    model: type[BaseModel] = PipelineConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return list(model.model_fields)
+
+
+def _describe(err: dict) -> str:
+    loc = tuple(err["loc"])
+    key = ".".join(str(p) for p in loc)
+    if err["type"] == "extra_forbidden":
+        hint = difflib.get_close_matches(str(loc[-1]), _allowed_keys(loc), n=1)
+        extra = f" (did you mean {'.'.join([*map(str, loc[:-1]), hint[0]])}?)" if hint else ""
+        return f"{key}: unknown key{extra}"
+    return f"{key}: {err['msg']} (got {err.get('input')!r})"
+
+
+def _validate(tree: dict, where: str) -> PipelineConfig:
+    try:
+        return PipelineConfig.model_validate(tree)
+    except ValidationError as exc:
+        lines = [f"{where}: {_describe(e)}" for e in exc.errors()]
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
+
+
+def read_toml(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+
+
+def load_config(path: str | Path | None = None, sets: list[str] | tuple[str, ...] = ()) -> PipelineConfig:
+    """Embedded defaults, overlaid by a TOML file, overlaid by ``--set`` items.
+
+    The file is validated on its own first so an error names the file; then each
+    ``--set`` is applied so an error there names the ``--set`` item.
+    """
+    tree: dict = read_toml(path) if path is not None else {}
+    _validate(tree, str(path) if path is not None else "defaults")
+    for item in sets:
+        keys, value = parse_set(item)
+        _apply_set(tree, keys, value, item)
+        _validate(tree, f"--set {item}")
+    return _validate(tree, "config")
+
+
+def to_toml(config: BaseModel, docs: bool = False) -> str:
+    """Render a config as TOML (what ``eagle3 config show`` prints); ``docs`` adds each key's description."""
+    lines: list[str] = []
+    _render_fields(config, lines, docs)
+    for name in type(config).model_fields:
+        section = getattr(config, name)
+        if isinstance(section, BaseModel):
+            lines.append(f"\n[{name}]")
+            _render_fields(section, lines, docs)
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def _render_fields(model: BaseModel, lines: list[str], docs: bool) -> None:
+    for key, field in type(model).model_fields.items():
+        value = getattr(model, key)
+        if isinstance(value, BaseModel):
+            continue
+        if docs and field.description:
+            lines.extend("# " + chunk for chunk in textwrap.wrap(field.description, 100))
+        plain = value.model_dump(mode="json") if isinstance(value, BaseModel) else value
+        lines.append(f"# {key} = (unset)" if plain is None else f"{key} = {_toml_value(plain)}")
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot render {value!r} as TOML")

