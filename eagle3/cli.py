@@ -59,6 +59,13 @@ def _load(args: argparse.Namespace):
     return load_config(args.config, args.sets)
 
 
+def _preflight(config) -> None:
+    """Catch what is wrong before a Prefect server starts and a flow run is recorded."""
+    from eagle3.prepare.sources import local_files
+
+    local_files(config.data.source)  # raises SourceError naming a missing file or folder
+
+
 def cmd_config_show(args: argparse.Namespace) -> int:
     from eagle3.config import to_toml
 
@@ -93,6 +100,7 @@ def _summary(config, results: dict) -> str:
 
 def cmd_run(args: argparse.Namespace) -> int:
     config = _load(args)
+    _preflight(config)
     _prefect_defaults()
     from flows.pipeline import BUILT, STAGES, pipeline_flow
 
@@ -112,6 +120,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
     if args.command not in BUILT:
         print(f"eagle3 {args.command}: this stage is not built yet; built so far: {', '.join(BUILT)}", file=sys.stderr)
         return 2
+    _preflight(config)
     from flows.prepare import prepare_flow
 
     results = {"prepare": prepare_flow(config)}

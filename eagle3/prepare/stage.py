@@ -214,6 +214,8 @@ def run_prepare(config: PipelineConfig, logger: logging.Logger | None = None) ->
         log.info("prepare: up to date (%s), nothing to do", out / MARKER)
         return PrepareResult(str(out), tuple(s["name"] for s in done["shards"]), done["counts"], fingerprint, True)
     (out / MARKER).unlink(missing_ok=True)
+    for leftover in [*out.glob(".*.partial"), *out.glob(".*.tmp")]:
+        leftover.unlink()  # temporary files of a run that was killed
     tally, shards = _write_shards(data, source, out, log)
     _remove_stale(out, {s["name"] for s in shards}, log)
     counts = StageCounts(tally.in_, tally.ok, 0, tally.in_ - tally.ok, dict(tally.reasons))

@@ -1,0 +1,101 @@
+"""The eagle3 command, run as a user runs it (a subprocess)."""
+
+import ast
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+from conftest import PYTHON, ROOT
+
+EAGLE3 = [PYTHON, "-m", "eagle3.cli"]
+
+
+def run(*args, cwd=None, env=None):
+    return subprocess.run([*EAGLE3, *args], capture_output=True, text=True, cwd=cwd, env={**os.environ, **(env or {})}, timeout=300)
+
+
+def test_help_is_instant_and_imports_nothing_heavy():
+    code = (
+        "import sys, contextlib, io\n"
+        "from eagle3 import cli\n"
+        "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "    cli.main(['--help'])\n"
+        "heavy = [m for m in ('torch', 'prefect', 'transformers', 'datasets', 'pyarrow') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([PYTHON, "-c", code], check=True, timeout=60)
+    result = run("--help")
+    assert result.returncode == 0
+    for command in ("run", "prepare", "generate", "tokenize", "vocab", "extract", "train", "evaluate", "export", "status", "make-tiny", "config"):
+        assert command in result.stdout
+
+
+def test_flows_and_tasks_import_without_torch():
+    code = "import sys\nimport flows.pipeline, flows.prepare, tasks.prepare\nassert 'torch' not in sys.modules, 'torch was imported'\n"
+    subprocess.run([PYTHON, "-c", code], check=True, timeout=120)
+
+
+def test_library_never_imports_prefect():
+    offenders = []
+    for path in (ROOT / "eagle3").rglob("*.py"):
+        if path.name == "cli.py":  # the entry point chooses Prefect as the runner
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] in ("prefect", "flows", "tasks")]
+    assert offenders == []
+
+
+def test_config_show_prints_resolved_toml(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('run_dir = "runs/x"\n[generation]\nconcurrency = 8\n')
+    result = run("config", "show", "--config", str(cfg), "--set", "generation.max_tokens=99", "--set", "data.source=p.jsonl")
+    assert result.returncode == 0, result.stderr
+    shown = tomllib.loads(result.stdout)
+    assert shown["run_dir"] == "runs/x"
+    assert shown["generation"]["concurrency"] == 8 and shown["generation"]["max_tokens"] == 99
+    assert shown["data"]["source"] == "p.jsonl"
+    docs = run("config", "show", "--docs")
+    assert "# Number of prompt shards" in docs.stdout
+
+
+def test_config_error_is_one_clear_message(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[train]\nlearning_rte = 1\n")
+    result = run("prepare", "--config", str(cfg))
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert f"{cfg}: train.learning_rte: unknown key (did you mean train.learning_rate?)" in result.stderr
+
+
+def test_bad_source_is_one_clear_message(tmp_path):
+    result = run("prepare", "--set", f'run_dir="{tmp_path}/r"', "--set", "data.source=./missing.jsonl")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "data.source './missing.jsonl': no such file or folder" in result.stderr
+
+
+def test_stage_not_built_yet_says_so():
+    result = run("train")
+    assert result.returncode == 2
+    assert "not built yet" in result.stderr and "prepare" in result.stderr
+
+
+def test_status_reads_the_manifest(tmp_path):
+    from eagle3.config import load_config
+    from eagle3.prepare.stage import run_prepare
+
+    run_prepare(load_config(None, [f'run_dir="{tmp_path}"']))
+    result = run("status", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    line = next(x for x in result.stdout.splitlines() if x.startswith("prepare"))
+    assert line.split()[:6] == ["prepare", "ok", "313", "302", "0", "11"]
+    missing = run("status", str(tmp_path / "nope"))
+    assert missing.returncode == 1 and "not a run directory" in missing.stderr
+
+
+def test_console_script_is_installed():
+    exe = Path(sys.executable).parent / "eagle3"
+    assert exe.exists()
+    assert subprocess.run([str(exe), "--help"], capture_output=True, timeout=60).returncode == 0
