@@ -114,3 +114,10 @@ def test_section_hash_tracks_values():
     a, b = load_config(), load_config(None, ["data.seed=1"])
     assert section_hash(a.data) != section_hash(b.data)
     assert section_hash(a.generation) == section_hash(b.generation)
+
+
+def test_config_reference_doc_is_current():
+    from conftest import ROOT
+
+    doc = (ROOT / "docs" / "config-reference.toml").read_text()
+    assert doc == to_toml(load_config(), docs=True), "regenerate: eagle3 config show --docs > docs/config-reference.toml"
