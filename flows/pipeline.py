@@ -11,11 +11,13 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from eagle3.config import PipelineConfig
+from flows.generate import generate_flow
 from flows.prepare import prepare_flow
 
 # Stages in pipeline order; the ones not listed in BUILT are not available yet.
 STAGES = ("prepare", "generate", "tokenize", "vocab", "extract", "train", "evaluate", "export")
-BUILT = ("prepare",)
+BUILT = ("prepare", "generate")
+FLOWS = {"prepare": prepare_flow, "generate": generate_flow}
 
 
 def run_name() -> str:
@@ -27,6 +29,7 @@ def run_name() -> str:
 
 
 @flow(name="eagle3-pipeline", flow_run_name=run_name, description="Prompts to a trained EAGLE-3 drafter (the stages built so far).")
-def pipeline_flow(config: PipelineConfig = PipelineConfig()) -> dict:
+async def pipeline_flow(config: PipelineConfig = PipelineConfig()) -> dict:
     results = {"prepare": prepare_flow(config)}
+    results["generate"] = await generate_flow(config)
     return results

@@ -33,3 +33,9 @@ def demo_config(tmp_path):
         return load_config(None, [f"run_dir={str(tmp_path / 'run')!r}".replace("'", '"'), *sets])
 
     return make
+
+
+@pytest.fixture()
+def anyio_backend():
+    """Async tests (``@pytest.mark.anyio``) run on asyncio, the loop the product uses."""
+    return "asyncio"

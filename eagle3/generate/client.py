@@ -1,0 +1,218 @@
+"""One chat request with an explicit deadline, our own retries, and a classified outcome.
+
+Design choices:
+- The OpenAI client's own retries are off (``max_retries=0``): they would silently
+  regenerate from scratch and hide failures. Every retry here is counted by kind.
+- Every attempt has a hard total deadline (``asyncio.timeout``) on top of the HTTP
+  client's timeouts, which only bound each read: a server that trickles bytes cannot
+  hold a request forever. The deadline is set, or derived from ``max_tokens``:
+  ``deadline_base_s + max_tokens / min_tokens_per_s`` (documented with the knobs).
+- Only transient failures are retried: timeouts, connection errors, and HTTP
+  408/409/425/429/5xx. Waits use exponential backoff with full jitter (uniform in
+  ``[0, min(max, base * 2^(attempt-1))]``), and a server's Retry-After is honoured.
+  Permanent failures (400 prompt too long, 401, 404, ...) are recorded once with the
+  server's own message.
+- Replicas are chosen by least outstanding requests; a replica that refuses connections
+  is skipped for a few seconds so its requests move to the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import json
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import openai
+
+from eagle3.config import GenerationConfig
+
+TRANSIENT_STATUS = {408, 409, 425, 429}
+DOWN_FOR_S = 5.0
+
+
+def deadline_s(gen: GenerationConfig) -> float:
+    """The per-request deadline: the configured one, else derived from max_tokens."""
+    if gen.request_timeout_s is not None:
+        return gen.request_timeout_s
+    return gen.deadline_base_s + gen.max_tokens / gen.min_tokens_per_s
+
+
+@dataclass
+class Failure(Exception):
+    kind: str
+    message: str
+    transient: bool
+    retry_after: float | None = None
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.message}"
+
+
+@dataclass
+class Endpoint:
+    base_url: str
+    client: openai.AsyncOpenAI
+    outstanding: int = 0
+    down_until: float = 0.0
+
+
+class EndpointPool:
+    """Replicas of one model; each request goes to the healthy one with the fewest in flight."""
+
+    def __init__(self, base_urls: list[str], api_key: str | None, max_connections: int, deadline: float):
+        if not base_urls:
+            raise ValueError("no server URLs to send requests to")
+        self.endpoints = [Endpoint(url, _client(url, api_key, max_connections, deadline)) for url in base_urls]
+
+    def acquire(self) -> Endpoint:
+        now = time.monotonic()
+        up = [e for e in self.endpoints if e.down_until <= now] or sorted(self.endpoints, key=lambda e: e.down_until)[:1]
+        chosen = min(up, key=lambda e: e.outstanding)
+        chosen.outstanding += 1
+        return chosen
+
+    def release(self, endpoint: Endpoint, refused: bool = False) -> None:
+        endpoint.outstanding -= 1
+        if refused:
+            endpoint.down_until = time.monotonic() + DOWN_FOR_S
+
+    async def close(self) -> None:
+        for e in self.endpoints:
+            await e.client.close()
+
+
+def _client(base_url: str, api_key: str | None, max_connections: int, deadline: float) -> openai.AsyncOpenAI:
+    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+    timeout = httpx.Timeout(deadline, connect=min(30.0, deadline))
+    http = httpx.AsyncClient(limits=limits, timeout=timeout)
+    return openai.AsyncOpenAI(base_url=base_url, api_key=api_key or "none", max_retries=0, timeout=timeout, http_client=http)
+
+
+def _retry_after(response: httpx.Response | None) -> float | None:
+    value = response.headers.get("retry-after") if response is not None else None
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        parsed = email.utils.parsedate_to_datetime(value)
+        return max(0.0, parsed.timestamp() - time.time()) if parsed else None
+
+
+def _server_message(exc: openai.APIStatusError) -> str:
+    body = exc.body
+    if isinstance(body, dict):
+        inner = body.get("error", body)
+        if isinstance(inner, dict) and inner.get("message"):
+            return str(inner["message"])
+        if isinstance(body.get("message"), str):
+            return body["message"]
+    return exc.message
+
+
+def classify(exc: BaseException) -> Failure:
+    """Map an exception from one attempt to a counted kind, transient or not."""
+    if isinstance(exc, (TimeoutError, openai.APITimeoutError)):
+        return Failure("timeout", "no complete response within the request deadline", True)
+    if isinstance(exc, openai.APIConnectionError):
+        cause = exc.__cause__
+        kind = "connect_error" if isinstance(cause, httpx.ConnectError) else "connection_error"
+        return Failure(kind, f"{type(cause).__name__ if cause else 'connection'}: {cause or exc}", True)
+    if isinstance(exc, openai.APIStatusError):
+        code = exc.status_code
+        transient = code in TRANSIENT_STATUS or code >= 500
+        return Failure(f"http_{code}", _server_message(exc), transient, _retry_after(exc.response))
+    if isinstance(exc, Failure):
+        return exc
+    return Failure("bad_response", f"{type(exc).__name__}: {exc}", True)
+
+
+def backoff_s(attempt: int, gen: GenerationConfig, retry_after: float | None, rng: random.Random) -> float:
+    wait = rng.uniform(0.0, min(gen.backoff_max_s, gen.backoff_base_s * 2 ** (attempt - 1)))
+    if retry_after is not None:
+        wait = max(wait, min(retry_after, 10 * gen.backoff_max_s))
+    return wait
+
+
+@dataclass
+class Stats:
+    """Live counters for progress lines and artifacts."""
+
+    total: int = 0
+    skipped: int = 0
+    done: int = 0
+    failed: int = 0
+    filtered: int = 0
+    in_flight: int = 0
+    completion_tokens: int = 0
+    retries: Counter = field(default_factory=Counter)
+    errors: Counter = field(default_factory=Counter)
+    started: float = field(default_factory=time.monotonic)
+
+    def snapshot(self) -> dict[str, Any]:
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        finished = self.done + self.filtered
+        return {
+            "total": self.total, "skipped": self.skipped, "done": self.done, "filtered": self.filtered,
+            "failed": self.failed, "in_flight": self.in_flight, "elapsed_s": round(elapsed, 1),
+            "req_per_s": round(finished / elapsed, 2), "tokens_per_s": round(self.completion_tokens / elapsed, 1),
+            "mean_completion_tokens": round(self.completion_tokens / finished, 1) if finished else 0.0,
+            "retries": dict(self.retries), "errors": dict(self.errors),
+        }
+
+
+def parse_response(data: Any) -> dict:
+    """The fields we keep from a vLLM chat completion (reasoning under either name)."""
+    try:
+        choice = data["choices"][0]
+        message = choice["message"]
+        return {
+            "prompt_token_ids": data.get("prompt_token_ids"),
+            "completion_token_ids": choice.get("token_ids"),
+            "reasoning": message.get("reasoning") if message.get("reasoning") is not None else message.get("reasoning_content"),
+            "content": message.get("content"),
+            "finish_reason": choice["finish_reason"],
+            "usage": data.get("usage"),
+            "model": data.get("model"),
+        }
+    except (KeyError, IndexError, TypeError) as exc:
+        raise Failure("bad_response", f"response lacks {exc!r}: {str(data)[:200]}", True) from None
+
+
+async def _attempt(endpoint: Endpoint, body: dict, deadline: float) -> dict:
+    extra = {k: v for k, v in body.items() if k not in ("model", "messages", "max_tokens", "temperature", "top_p")}
+    async with asyncio.timeout(deadline):
+        raw = await endpoint.client.chat.completions.with_raw_response.create(
+            model=body["model"], messages=body["messages"], max_tokens=body["max_tokens"],
+            temperature=body["temperature"], top_p=body["top_p"], extra_body=extra, timeout=deadline,
+        )
+        try:
+            return json.loads(raw.http_response.content)
+        except json.JSONDecodeError as exc:
+            raise Failure("bad_response", f"body is not JSON ({exc})", True) from None
+
+
+async def request_with_retries(pool: EndpointPool, body: dict, gen: GenerationConfig, stats: Stats, rng: random.Random) -> tuple[dict | None, Failure | None, int, float]:
+    """Run one prompt to a parsed result or a final failure: (result, failure, attempts, latency_s)."""
+    deadline = deadline_s(gen)
+    started = time.monotonic()
+    for attempt in range(1, gen.max_attempts + 1):
+        endpoint = pool.acquire()
+        try:
+            result = parse_response(await _attempt(endpoint, body, deadline))
+            pool.release(endpoint)
+            return result, None, attempt, time.monotonic() - started
+        except (Exception, TimeoutError) as exc:  # every attempt's failure is classified, none escapes
+            failure = classify(exc)
+            pool.release(endpoint, refused=failure.kind == "connect_error")
+        if not failure.transient or attempt == gen.max_attempts:
+            return None, failure, attempt, time.monotonic() - started
+        stats.retries[failure.kind] += 1
+        await asyncio.sleep(backoff_s(attempt, gen, failure.retry_after, rng))
+    raise AssertionError("unreachable")

@@ -1,0 +1,237 @@
+"""Generate one prompt shard: durable, resumable, every prompt accounted for.
+
+Files per shard (``RUN/generations/``):
+- ``shard-K.jsonl``          one record per finished prompt (the DESIGN contract fields)
+- ``shard-K.filtered.jsonl`` finished but filtered (``finish_reason=length`` with keep_truncated off)
+- ``shard-K.failed.jsonl``   one line per prompt that failed a run, with kind, message, attempts
+- ``shard-K.meta.json``      the generation key the records were made with
+- ``shard-K.done.json``      the completion marker: counts, input hash, key; written last
+
+Design choices:
+- The generation key hashes model, sampling, max_tokens and chat template. Records made
+  under another key are moved aside (never deleted) into ``stale-KEY/`` and the shard
+  starts over: new ``max_tokens`` means regenerate.
+- Resume is by id: ids in the ok or filtered stream are done; everything else (never
+  tried, or failed before) is sent again. The failure stream is append-only history;
+  the shard's failed count is the ids whose last outcome was a failure.
+- A lock file stops two runners from writing the same shard at once (which would be
+  the one way to get duplicates).
+- The marker is complete only when no prompt is left failed with a *transient* error:
+  an incomplete shard is resumed by the next attempt or run; permanent failures
+  (400 prompt too long, ...) are final and counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import hashlib
+import json
+import logging
+import random
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from eagle3.config import GenerationConfig
+from eagle3.durable import atomic_write_json, read_json, sha256_file
+from eagle3.generate.client import EndpointPool, Stats, deadline_s, request_with_retries
+from eagle3.generate.records import JsonlAppender, read_records
+
+
+class ShardLockedError(RuntimeError):
+    """Another process is generating this shard right now."""
+
+
+@dataclass(frozen=True)
+class ShardResult:
+    """What crosses the task boundary: counts and paths, never samples."""
+
+    shard: str
+    path: str
+    in_: int
+    ok: int
+    failed: int
+    filtered: int
+    retryable: int
+    errors: dict
+    skipped: bool
+
+    @property
+    def complete(self) -> bool:
+        return self.retryable == 0
+
+
+def generation_key(model: str, gen: GenerationConfig, template_hash: str) -> str:
+    parts = {"model": model, "max_tokens": gen.max_tokens, "temperature": gen.temperature, "top_p": gen.top_p, "template": template_hash}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def paths(out_dir: Path, shard_file: str) -> dict[str, Path]:
+    stem = shard_file.removesuffix(".parquet")
+    names = {"ok": ".jsonl", "filtered": ".filtered.jsonl", "failed": ".failed.jsonl", "meta": ".meta.json", "done": ".done.json", "lock": ".lock"}
+    return {k: out_dir / f"{stem}{suffix}" for k, suffix in names.items()}
+
+
+def load_prompts(shard_path: Path) -> list[tuple[str, list[dict]]]:
+    table = pq.read_table(shard_path, columns=["id", "messages"])
+    return list(zip(table.column("id").to_pylist(), table.column("messages").to_pylist()))
+
+
+def _result_from_marker(p: dict[str, Path], shard_file: str, marker: dict) -> ShardResult:
+    c = marker["counts"]
+    return ShardResult(shard_file, str(p["ok"]), c["in"], c["ok"], c["failed"], c["filtered"], c["retryable"], marker.get("errors", {}), True)
+
+
+def _current_marker(p: dict[str, Path], key: str, input_sha: str) -> dict | None:
+    if not p["done"].exists():
+        return None
+    marker = read_json(p["done"])
+    ok = marker.get("key") == key and marker.get("input_sha256") == input_sha and marker["counts"]["retryable"] == 0
+    return marker if ok else None
+
+
+def _set_aside_stale(p: dict[str, Path], key: str, log) -> None:
+    """Records made under another generation key are kept, out of the way."""
+    old = read_json(p["meta"]).get("key") if p["meta"].exists() else None
+    if old is None or old == key:
+        return
+    stale = p["ok"].parent / f"stale-{old}"
+    stale.mkdir(exist_ok=True)
+    for name in ("ok", "filtered", "failed", "done"):
+        if p[name].exists():
+            shutil.move(str(p[name]), stale / p[name].name)
+    log.warning("%s: generation settings changed (key %s -> %s); earlier records moved to %s", p["ok"].name, old, key, stale)
+
+
+class _Run:
+    """The mutable state of one pass over a shard."""
+
+    def __init__(self, prompts, done_ids, gen, model, pool, writers, stats, log):
+        self.todo = iter([(i, m) for i, m in prompts if i not in done_ids])
+        self.gen, self.model, self.pool, self.writers, self.stats, self.log = gen, model, pool, writers, stats, log
+        self.failed: dict[str, dict] = {}
+        self.sampling = {"max_tokens": gen.max_tokens, "temperature": gen.temperature, "top_p": gen.top_p}
+
+    async def worker(self, rng: random.Random) -> None:
+        for pid, messages in self.todo:
+            self.stats.in_flight += 1
+            try:
+                await self.one(pid, messages, rng)
+            finally:
+                self.stats.in_flight -= 1
+
+    async def one(self, pid: str, messages: list[dict], rng: random.Random) -> None:
+        body = {"model": self.model, "messages": messages, **self.sampling, "return_token_ids": True}
+        result, failure, attempts, latency = await request_with_retries(self.pool, body, self.gen, self.stats, rng)
+        if failure is not None:
+            record = {"id": pid, "error_kind": failure.kind, "message": failure.message, "attempts": attempts, "transient": failure.transient, "at": time.time()}
+            self.writers["failed"].append(record)
+            self.failed[pid] = record
+            self.stats.failed += 1
+            self.stats.errors[failure.kind] += 1
+            return
+        record = {"id": pid, **result, "sampling": self.sampling, "attempts": attempts, "latency_s": round(latency, 3)}
+        self.stats.completion_tokens += len(result["completion_token_ids"] or [])
+        if result["finish_reason"] == "length" and not self.gen.keep_truncated:
+            self.writers["filtered"].append({**record, "reason": "truncated: finish_reason=length and generation.keep_truncated=false"})
+            self.stats.filtered += 1
+        else:
+            self.writers["ok"].append(record)
+            self.stats.done += 1
+
+
+async def _report(stats: Stats, every_s: float, progress: Callable[[dict], None]) -> None:
+    while True:
+        await asyncio.sleep(every_s)
+        progress(stats.snapshot())
+
+
+def _lock(p: dict[str, Path]):
+    fh = open(p["lock"], "w")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.close()
+        raise ShardLockedError(f"{p['ok']} is being generated by another process (lock {p['lock']})") from None
+    return fh
+
+
+def _done_ids(p: dict[str, Path], log) -> tuple[set[str], set[str]]:
+    ok = {r["id"] for r in read_records(p["ok"], log)}
+    filtered = {r["id"] for r in read_records(p["filtered"], log)}
+    read_records(p["failed"], log)  # repairs its tail too, before we append
+    return ok, filtered
+
+
+async def generate_shard(
+    shard_path: str | Path, out_dir: str | Path, gen: GenerationConfig, model: str, pool: EndpointPool,
+    template_hash: str = "", logger=None, progress: Callable[[dict], None] | None = None, progress_every_s: float = 10.0,
+    concurrency: int | None = None,
+) -> ShardResult:
+    """Generate every prompt of one shard that is not on disk yet; see the module docstring."""
+    log = logger or logging.getLogger(__name__)
+    shard_path, out_dir = Path(shard_path), Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    p = paths(out_dir, shard_path.name)
+    key, input_sha = generation_key(model, gen, template_hash), sha256_file(shard_path)
+    lock = _lock(p)
+    try:
+        marker = _current_marker(p, key, input_sha)
+        if marker is not None:
+            log.info("%s: complete on disk, nothing to do", p["ok"].name)
+            return _result_from_marker(p, shard_path.name, marker)
+        _set_aside_stale(p, key, log)
+        atomic_write_json(p["meta"], {"key": key, "model": model, "sampling": {"max_tokens": gen.max_tokens, "temperature": gen.temperature, "top_p": gen.top_p}})
+        p["done"].unlink(missing_ok=True)
+        prompts = load_prompts(shard_path)
+        ok_ids, filtered_ids = _done_ids(p, log)
+        workers = concurrency or gen.concurrency
+        return await _generate(p, shard_path.name, prompts, ok_ids, filtered_ids, gen, model, pool, key, input_sha, log, progress, progress_every_s, workers)
+    finally:
+        lock.close()
+
+
+async def _generate(p, shard_file, prompts, ok_ids, filtered_ids, gen, model, pool, key, input_sha, log, progress, every_s, workers) -> ShardResult:
+    ids = [i for i, _ in prompts]
+    stats = Stats(total=len(ids), skipped=len(ok_ids | filtered_ids))
+    log.info("%s: %d prompts, %d already on disk, deadline %.0f s per request", p["ok"].name, len(ids), stats.skipped, deadline_s(gen))
+    writers = {k: JsonlAppender(p[k], gen.fsync_every) for k in ("ok", "filtered", "failed")}
+    run = _Run(prompts, ok_ids | filtered_ids, gen, model, pool, writers, stats, log)
+    reporter = asyncio.create_task(_report(stats, every_s, progress)) if progress else None
+    try:
+        rngs = [random.Random(f"{key}:{k}") for k in range(workers)]
+        await asyncio.gather(*(run.worker(r) for r in rngs))
+    finally:
+        if reporter:
+            reporter.cancel()
+        for w in writers.values():
+            w.close()
+    return _finish(p, shard_file, ids, run, key, input_sha, log, progress)
+
+
+def _finish(p, shard_file, ids, run: _Run, key, input_sha, log, progress) -> ShardResult:
+    ok_ids = {r["id"] for r in read_records(p["ok"])}
+    filtered_ids = {r["id"] for r in read_records(p["filtered"])} - ok_ids
+    wanted = set(ids)
+    failed = {i: r for i, r in run.failed.items() if i not in ok_ids and i not in filtered_ids}
+    lost = wanted - ok_ids - filtered_ids - set(failed)
+    if lost:  # cannot happen unless records vanish underneath us; say so rather than undercount
+        raise RuntimeError(f"{p['ok'].name}: {len(lost)} prompts have neither a record nor a failure (e.g. {sorted(lost)[:3]})")
+    counts = {
+        "in": len(wanted), "ok": len(ok_ids & wanted), "filtered": len(filtered_ids & wanted), "failed": len(failed),
+        "retryable": sum(1 for r in failed.values() if r["transient"]),
+    }
+    errors: dict[str, int] = {}
+    for r in failed.values():
+        errors[r["error_kind"]] = errors.get(r["error_kind"], 0) + 1
+    snapshot = run.stats.snapshot()
+    atomic_write_json(p["done"], {"key": key, "input_sha256": input_sha, "counts": counts, "errors": errors, "retries": snapshot["retries"], "stats": snapshot})
+    if progress:
+        progress(snapshot)
+    log.info("%s: ok=%d filtered=%d failed=%d (retryable %d) of %d; %s", p["ok"].name, counts["ok"], counts["filtered"], counts["failed"], counts["retryable"], counts["in"], snapshot)
+    return ShardResult(shard_file, str(p["ok"]), counts["in"], counts["ok"], counts["failed"], counts["filtered"], counts["retryable"], errors, False)

@@ -1,0 +1,100 @@
+"""Stage ``generate`` as a whole: which shards to run, and the accounting over all of them.
+
+Per-shard work lives in ``shard.py``; this module reads the disk (the truth) to add up
+the stage, records it in the manifest, and fails the stage loudly when too much failed.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from eagle3.config import GenerationConfig, PipelineConfig, section_hash
+from eagle3.durable import read_json
+from eagle3.generate.client import deadline_s
+from eagle3.generate.shard import paths
+from eagle3.manifest import StageCounts, record_stage, versions
+
+STAGE = "generate"
+
+
+class GenerationFailed(RuntimeError):
+    """More prompts failed than generation.max_failure_fraction allows."""
+
+
+class MissingInputError(RuntimeError):
+    """The stage before this one has not completed."""
+
+
+def out_dir(config: PipelineConfig) -> Path:
+    return Path(config.run_dir) / "generations"
+
+
+def prepared_shards(config: PipelineConfig) -> dict[Path, int]:
+    """The prompt shards named by prepare's completion marker, with their row counts."""
+    marker = Path(config.run_dir) / "prompts" / "_SUCCESS.json"
+    if not marker.exists():
+        raise MissingInputError(f"{marker} not found: run the prepare stage first (eagle3 prepare, or eagle3 run)")
+    return {marker.parent / s["name"]: s["rows"] for s in read_json(marker)["shards"]}
+
+
+def shard_timeout_s(num_prompts: int, concurrency: int, gen: GenerationConfig) -> float:
+    """A Prefect task timeout that only a stuck shard reaches: every wave of requests
+    taking its full deadline on every attempt, plus the longest backoffs."""
+    waves = max(1, math.ceil(num_prompts / max(1, concurrency)))
+    return waves * gen.max_attempts * (deadline_s(gen) + gen.backoff_max_s) + 300
+
+
+def summarize(config: PipelineConfig, shards: list[Path]) -> dict:
+    """Add up every shard's marker; a shard without one counts its unfinished prompts as failed."""
+    totals = {"in": 0, "ok": 0, "failed": 0, "filtered": 0, "retryable": 0}
+    errors: dict[str, int] = {}
+    incomplete = []
+    for shard in shards:
+        marker = paths(out_dir(config), shard.name)["done"]
+        if marker.exists():
+            done = read_json(marker)
+            counts, kinds = done["counts"], done["errors"]
+        else:
+            counts, kinds = _unfinished(config, shard), {"shard_incomplete": None}
+            incomplete.append(shard.name)
+        for k in totals:
+            totals[k] += counts[k]
+        for kind, n in kinds.items():
+            errors[kind] = errors.get(kind, 0) + (n if n is not None else counts["failed"])
+    return {**totals, "errors": errors, "incomplete_shards": incomplete}
+
+
+def _unfinished(config: PipelineConfig, shard: Path) -> dict:
+    import pyarrow.parquet as pq
+
+    from eagle3.generate.records import read_records
+
+    p = paths(out_dir(config), shard.name)
+    ids = set(pq.read_table(shard, columns=["id"]).column("id").to_pylist())
+    ok = {r["id"] for r in read_records(p["ok"])} & ids
+    filtered = ({r["id"] for r in read_records(p["filtered"])} & ids) - ok
+    failed = len(ids) - len(ok) - len(filtered)
+    return {"in": len(ids), "ok": len(ok), "filtered": len(filtered), "failed": failed, "retryable": failed}
+
+
+def record(config: PipelineConfig, summary: dict, model: str) -> dict:
+    """Write the stage's manifest entry; raise GenerationFailed past the threshold."""
+    gen = config.generation
+    fraction = summary["failed"] / summary["in"] if summary["in"] else 0.0
+    error = None
+    if fraction > gen.max_failure_fraction or summary["incomplete_shards"]:
+        error = (
+            f"generate: {summary['failed']} of {summary['in']} prompts failed ({fraction:.2%}; "
+            f"generation.max_failure_fraction={gen.max_failure_fraction}); errors by kind: {summary['errors']}; "
+            f"incomplete shards: {summary['incomplete_shards'] or 'none'}. Rerunning resumes: finished samples are kept."
+        )
+    reasons = {"truncated": summary["filtered"]} if summary["filtered"] else {}
+    counts = StageCounts(summary["in"], summary["ok"], summary["failed"], summary["filtered"], {**reasons, **summary["errors"]})
+    entry = record_stage(
+        config.run_dir, STAGE, counts, status="failed" if error else "ok", error=error, model=model,
+        config_hash=section_hash(gen), deadline_s=deadline_s(gen), versions=versions("openai", "httpx"),
+    )
+    if error:
+        raise GenerationFailed(error)
+    return entry

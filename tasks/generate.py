@@ -1,0 +1,74 @@
+"""Prefect tasks for stage ``generate``: one task per prompt shard, and the stage summary."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+from prefect import get_run_logger, task
+from prefect.artifacts import acreate_progress_artifact, aupdate_progress_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import task_run
+
+from eagle3.config import PipelineConfig
+from eagle3.generate import stage
+from eagle3.generate.client import EndpointPool, deadline_s
+from eagle3.generate.shard import ShardResult, generate_shard
+from tasks.serve import Target
+
+SHARD_RETRIES = 2
+
+
+class ShardIncomplete(RuntimeError):
+    """Some prompts of the shard failed with transient errors; a retry resumes them."""
+
+
+def _progress_line(name: str, s: dict) -> str:
+    return (
+        f"{name}: done {s['done']}+{s['skipped']} on disk / {s['total']}, failed {s['failed']}, filtered {s['filtered']}, "
+        f"in flight {s['in_flight']}, {s['req_per_s']} req/s, {s['tokens_per_s']} tok/s, "
+        f"mean completion {s['mean_completion_tokens']} tokens, retries {s['retries'] or '{}'}"
+    )
+
+
+# The disk marker (input hash + generation key) decides whether a shard is done, so
+# Prefect's cache is off: a cached result could claim a shard whose files were deleted.
+@task(name="generate-shard", retries=SHARD_RETRIES, retry_delay_seconds=15, cache_policy=NO_CACHE)
+async def generate_shard_task(config: PipelineConfig, shard: str, target: Target, concurrency: int) -> ShardResult:
+    logger = get_run_logger()
+    gen = config.generation
+    artifact = await acreate_progress_artifact(progress=0.0, description=f"generate {Path(shard).name}")
+    pending: set[asyncio.Task] = set()
+
+    def progress(snap: dict) -> None:
+        logger.info(_progress_line(Path(shard).name, snap))
+        finished = snap["done"] + snap["skipped"] + snap["failed"] + snap["filtered"]
+        job = asyncio.ensure_future(aupdate_progress_artifact(artifact, 100.0 * finished / max(1, snap["total"])))
+        pending.add(job)
+        job.add_done_callback(pending.discard)
+
+    pool = EndpointPool(list(target.urls), os.environ.get(target.key_env), concurrency, deadline_s(gen))
+    try:
+        result = await generate_shard(
+            shard, stage.out_dir(config), gen, target.model, pool, target.template_hash,
+            logger=logger, progress=progress, concurrency=concurrency,
+        )
+    finally:
+        await pool.close()
+        await asyncio.gather(*pending, return_exceptions=True)
+    await aupdate_progress_artifact(artifact, 100.0)
+    if not result.complete and task_run.run_count <= SHARD_RETRIES:
+        raise ShardIncomplete(f"{result.shard}: {result.retryable} prompts failed with transient errors ({result.errors}); retrying resumes them")
+    return result
+
+
+@task(name="generate-summary", cache_policy=NO_CACHE)
+def generate_summary_task(config: PipelineConfig, shards: list[str], model: str) -> dict:
+    summary = stage.summarize(config, [Path(s) for s in shards])
+    rows = [{"error kind": k, "prompts": n} for k, n in sorted(summary["errors"].items(), key=lambda kv: -kv[1])]
+    create_table_artifact(
+        key="generate-errors", table=rows or [{"error kind": "none", "prompts": 0}],
+        description=f"generate: ok {summary['ok']}, filtered {summary['filtered']}, failed {summary['failed']} of {summary['in']}",
+    )
+    return stage.record(config, summary, model)

