@@ -204,6 +204,12 @@ class GenerationConfig(_Strict):
             "generation.concurrency is split between them."
         ),
     )
+    shard_retries: int = Field(
+        2,
+        ge=0,
+        description="Prefect task retries of a shard that still has prompts failed with transient errors; each retry resumes only those prompts.",
+    )
+    shard_retry_delay_s: float = Field(15.0, ge=0, description="Wait before a shard task retry: long enough for a restarting server, short next to a shard's run time.")
     fsync_every: int = Field(16, ge=1, description="fsync the shard's JSONL after this many records (every record is flushed at once; fsync makes it survive a power cut).")
     keep_truncated: bool = Field(
         True,

@@ -7,6 +7,7 @@ from pathlib import Path
 from eagle3.manifest import MANIFEST, read_manifest
 
 COLUMNS = ("stage", "status", "in", "ok", "failed", "filtered", "reasons")
+ORDER = ("prepare", "generate", "tokenize", "vocab", "extract", "train", "evaluate", "export")
 
 
 def _reasons(entry: dict) -> str:
@@ -21,7 +22,7 @@ def status_rows(run_dir: str | Path) -> list[dict]:
     stages = read_manifest(run_dir).get("stages", {})
     return [
         {"stage": name, "status": e.get("status", "ok"), "in": e["in"], "ok": e["ok"], "failed": e["failed"], "filtered": e["filtered"], "reasons": _reasons(e)}
-        for name, e in stages.items()
+        for name, e in sorted(stages.items(), key=lambda kv: ORDER.index(kv[0]) if kv[0] in ORDER else len(ORDER))
     ]
 
 

