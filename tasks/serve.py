@@ -48,6 +48,8 @@ async def _managed(config: PipelineConfig, logger) -> AsyncIterator[Target]:
         await asyncio.to_thread(managed.start)
         os.environ[MANAGED_KEY_ENV] = managed.api_key
         yield Target((managed.base_url,), MANAGED_KEY_ENV, name, template_hash(model_path))
+        # A server that died mid-run shows up as connection failures in the shards; say why.
+        managed.check()
     finally:
         os.environ.pop(MANAGED_KEY_ENV, None)
         await asyncio.to_thread(managed.stop)
