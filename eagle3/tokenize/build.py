@@ -1,0 +1,120 @@
+"""Token ids and loss masks for one sample, built together in one pass.
+
+Two paths:
+- **server ids** (default whenever a generation record carries them): ``input_ids =
+  prompt_token_ids + completion_token_ids`` exactly as the target saw and produced them,
+  ``loss_mask`` 0 on the prompt and 1 on the completion (reasoning, ``</think>``, answer and
+  the end-of-turn token vLLM includes in ``token_ids``). No re-tokenization can drift from
+  what the drafter will meet when serving.
+- **template** (records without ids, or existing conversations): the tokenizer's chat
+  template renders the conversation. Where the template marks assistant text with
+  ``{% generation %}``, ``return_assistant_tokens_mask`` gives the mask; otherwise the mask
+  comes from rendering growing prefixes and diffing: the tokens an assistant turn adds
+  after its generation prompt are its supervised tokens. A template whose prefixes are not
+  prefixes of the whole (rare) is reported per row, not guessed.
+
+Where reasoning goes: templates like Qwen3's render an assistant turn's reasoning only for
+turns after the last user message; earlier turns lose it. So in a multi-turn conversation
+only the final answer's reasoning is supervised, which matches what the target sees at
+serving time (vLLM renders the same template).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
+
+
+class RowError(ValueError):
+    """A row that cannot be tokenized, with a countable kind."""
+
+    def __init__(self, kind: str, detail: str):
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class Sample:
+    input_ids: list[int]
+    loss_mask: list[int]
+    path: str  # "server_ids" | "template"
+
+
+def _int_list(value, field: str, vocab_size: int) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise RowError("bad_record", f"{field} is not a list of integers")
+    if value and (min(value) < 0 or max(value) >= vocab_size):
+        raise RowError("bad_record", f"{field} holds ids outside the tokenizer's vocabulary [0, {vocab_size})")
+    return value
+
+
+def from_server_ids(record: dict, vocab_size: int) -> Sample:
+    prompt = _int_list(record.get("prompt_token_ids"), "prompt_token_ids", vocab_size)
+    completion = _int_list(record.get("completion_token_ids"), "completion_token_ids", vocab_size)
+    if not completion:
+        raise RowError("empty_completion", "the completion has no tokens")
+    return Sample(prompt + completion, [0] * len(prompt) + [1] * len(completion), "server_ids")
+
+
+def has_ids(record: dict) -> bool:
+    return record.get("prompt_token_ids") is not None and record.get("completion_token_ids") is not None
+
+
+def conversation(messages: list[dict], record: dict) -> list[dict]:
+    """The prompt plus the regenerated answer as an assistant turn (reasoning kept apart)."""
+    content, reasoning = record.get("content"), record.get("reasoning")
+    if not isinstance(content, (str, type(None))) or not isinstance(reasoning, (str, type(None))):
+        raise RowError("bad_record", "content and reasoning must be strings or null")
+    if not content and not reasoning:
+        raise RowError("empty_completion", "the record has neither content nor reasoning")
+    turn = {"role": "assistant", "content": content or ""}
+    if reasoning:
+        turn["reasoning_content"] = reasoning
+    return [*messages, turn]
+
+
+def _ids(encoded) -> list[int]:
+    return list(encoded["input_ids"] if not isinstance(encoded, list) else encoded)
+
+
+def render_ids(tokenizer, messages, **kwargs) -> list[int]:
+    return _ids(tokenizer.apply_chat_template(messages, tokenize=True, **kwargs))
+
+
+def from_template(tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> Sample:
+    """Render a whole conversation; every assistant turn the template renders is supervised."""
+    kwargs = template_kwargs or {}
+    if GENERATION_TAG.search(tokenizer.chat_template or ""):
+        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **kwargs)
+        return Sample(list(out["input_ids"]), [int(m) for m in out["assistant_masks"]], "template")
+    return _by_prefix_diff(tokenizer, messages, kwargs)
+
+
+def _by_prefix_diff(tokenizer, messages: list[dict], kwargs: dict) -> Sample:
+    ids = render_ids(tokenizer, messages, **kwargs)
+    mask = [0] * len(ids)
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = render_ids(tokenizer, messages[:k], add_generation_prompt=True, **kwargs)
+        upto = render_ids(tokenizer, messages[: k + 1], **kwargs)
+        if ids[: len(upto)] != upto or upto[: len(before)] != before:
+            raise RowError("template_not_prefix_stable", f"rendering turn {k} is not a prefix of the whole conversation")
+        for i in range(len(before), len(upto)):
+            mask[i] = 1
+    return Sample(ids, mask, "template")
+
+
+def fit_length(sample: Sample, max_len: int, overflow: str) -> tuple[Sample, bool]:
+    """Apply tokenize.max_seq_len: (sample, was_truncated); RowError when dropped or left unsupervised."""
+    truncated = len(sample.input_ids) > max_len
+    if truncated and overflow == "drop":
+        raise RowError("too_long", f"{len(sample.input_ids)} tokens > tokenize.max_seq_len={max_len} (overflow=drop)")
+    if truncated:
+        sample = Sample(sample.input_ids[:max_len], sample.loss_mask[:max_len], sample.path)
+    if not any(sample.loss_mask):
+        why = "the prompt alone fills tokenize.max_seq_len" if truncated else "no token is supervised"
+        raise RowError("no_supervised_tokens", why)
+    return sample, truncated

@@ -1,0 +1,243 @@
+"""Stage ``tokenize``: generation records -> ``input_ids`` + ``loss_mask`` Parquet, per shard.
+
+Design choices:
+- One task per shard, reading ``generations/shard-K.jsonl`` (and the prompt shard for the
+  messages), writing ``tokenized/shard-K.parquet`` (zstd; row groups of ~1M tokens, a few MB,
+  so a reader streams them), ``shard-K.counts.safetensors`` (supervised-token counts for the
+  draft vocabulary), ``shard-K.rejected.jsonl`` (filtered rows with reasons) and the marker
+  ``shard-K.done.json`` last. Accounting: ``in`` = generation records, ``in == ok + filtered``.
+- The marker's key hashes the generation file, the prompt shard, the tokenizer files and the
+  ``[tokenize]`` settings: same inputs, no work; anything changed, the shard is rebuilt.
+- Server ids are checked against the chat template on a sample of rows; the mismatch rate goes
+  in the manifest and is never hidden or fatal (a re-tokenized completion often differs from the
+  tokens the model actually sampled, which is why the server's ids are preferred).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from eagle3.config import PipelineConfig, section_hash
+from eagle3.durable import atomic_path, atomic_write_json, atomic_write_lines, install_file, read_json, sha256_file
+from eagle3.generate.records import read_records
+from eagle3.tokenize.build import RowError, Sample, conversation, fit_length, from_server_ids, from_template, has_ids, render_ids
+
+SCHEMA = pa.schema([
+    ("id", pa.string()),
+    ("input_ids", pa.list_(pa.int32())),
+    ("loss_mask", pa.list_(pa.uint8())),
+    ("num_tokens", pa.int32()),
+    ("num_supervised", pa.int32()),
+    ("path", pa.string()),
+    ("truncated", pa.bool_()),
+])
+ROW_GROUP_TOKENS = 1 << 20
+TEMPLATE_CHECKS = 64
+
+
+class TokenizeInputError(RuntimeError):
+    """The stage's inputs are missing or incomplete."""
+
+
+@dataclass(frozen=True)
+class TokenizeResult:
+    shard: str
+    path: str
+    in_: int
+    ok: int
+    filtered: int
+    reasons: dict
+    tokens: int
+    supervised: int
+    truncated: int
+    template_check: dict
+    skipped: bool
+
+
+def tokenizer_path(config: PipelineConfig) -> str:
+    from eagle3.models import resolve_model
+
+    return resolve_model(config.tokenize.tokenizer or config.server.model)
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def tokenizer_fingerprint(path: str) -> str:
+    folder = Path(path)
+    digest = hashlib.sha256(path.encode() if not folder.is_dir() else b"")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json"):
+        if (folder / name).exists():
+            digest.update(name.encode() + sha256_file(folder / name).encode())
+    return digest.hexdigest()[:16]
+
+
+def vocab_size(tokenizer, path: str) -> int:
+    """The target's vocabulary: the model config's (embedding rows) when larger than the tokenizer's."""
+    config = Path(path) / "config.json"
+    declared = json.loads(config.read_text()).get("vocab_size", 0) if config.exists() else 0
+    return max(len(tokenizer), int(declared or 0))
+
+
+def _paths(run_dir: Path, shard: str) -> dict[str, Path]:
+    stem = shard.removesuffix(".parquet")
+    out = run_dir / "tokenized"
+    return {
+        "generations": run_dir / "generations" / f"{stem}.jsonl", "gen_done": run_dir / "generations" / f"{stem}.done.json",
+        "prompts": run_dir / "prompts" / shard, "parquet": out / shard, "counts": out / f"{stem}.counts.safetensors",
+        "rejected": out / f"{stem}.rejected.jsonl", "done": out / f"{stem}.done.json",
+    }
+
+
+def _key(p: dict, config: PipelineConfig, tok_fp: str) -> str:
+    parts = [sha256_file(p["generations"]), sha256_file(p["prompts"]), tok_fp, section_hash(config.tokenize)]
+    return hashlib.sha256(":".join(parts).encode()).hexdigest()[:16]
+
+
+@dataclass
+class _Acc:
+    rows: list = field(default_factory=list)
+    rejected: list = field(default_factory=list)
+    reasons: dict = field(default_factory=dict)
+    tokens: int = 0
+    supervised: int = 0
+    checks: dict = field(default_factory=lambda: {"checked": 0, "prompt_mismatch": 0, "full_mismatch": 0})
+
+    def reject(self, record_id, kind: str, reason: str) -> None:
+        self.reasons[kind] = self.reasons.get(kind, 0) + 1
+        self.rejected.append({"id": record_id, "kind": kind, "reason": reason})
+
+
+def _check_template(tokenizer, messages, record, sample: Sample, checks: dict) -> None:
+    """Does the chat template reproduce the server's ids for this conversation?"""
+    checks["checked"] += 1
+    prompt = record["prompt_token_ids"]
+    if render_ids(tokenizer, messages, add_generation_prompt=True) != prompt:
+        checks["prompt_mismatch"] += 1
+    full = render_ids(tokenizer, conversation(messages, record))
+    if full[: len(sample.input_ids)] != sample.input_ids:
+        checks["full_mismatch"] += 1
+
+
+def _one(record: dict, messages: dict, tokenizer, vocab: int, config: PipelineConfig, acc: _Acc, check: bool) -> None:
+    rid = record.get("id")
+    try:
+        if not isinstance(rid, str) or rid not in messages:
+            raise RowError("unknown_id", f"id {rid!r} is not in the prompt shard")
+        if has_ids(record):
+            sample = from_server_ids(record, vocab)
+            if check:
+                _check_template(tokenizer, messages[rid], record, sample, acc.checks)
+        else:
+            sample = from_template(tokenizer, conversation(messages[rid], record))
+        sample, truncated = fit_length(sample, config.tokenize.max_seq_len, config.tokenize.overflow)
+    except RowError as err:
+        acc.reject(rid, err.kind, str(err))
+        return
+    supervised = sum(sample.loss_mask)
+    acc.tokens += len(sample.input_ids)
+    acc.supervised += supervised
+    acc.rows.append((rid, sample, supervised, truncated))
+
+
+def _write(rows: list, tmp: Path) -> None:
+    writer = pq.ParquetWriter(tmp, SCHEMA, compression="zstd")
+    batch, batch_tokens = [], 0
+    for row in rows + [None]:
+        if row is not None:
+            batch.append(row)
+            batch_tokens += len(row[1].input_ids)
+        if batch and (row is None or batch_tokens >= ROW_GROUP_TOKENS):
+            writer.write_table(pa.Table.from_pydict({
+                "id": [r[0] for r in batch], "input_ids": [r[1].input_ids for r in batch], "loss_mask": [r[1].loss_mask for r in batch],
+                "num_tokens": [len(r[1].input_ids) for r in batch], "num_supervised": [r[2] for r in batch],
+                "path": [r[1].path for r in batch], "truncated": [r[3] for r in batch],
+            }, schema=SCHEMA))
+            batch, batch_tokens = [], 0
+    writer.close()
+
+
+def _counts(rows: list, vocab: int) -> np.ndarray:
+    counts = np.zeros(vocab, dtype=np.int64)
+    for _, sample, _, _ in rows:
+        ids = np.asarray(sample.input_ids, dtype=np.int64)
+        counts += np.bincount(ids[np.asarray(sample.loss_mask, dtype=bool)], minlength=vocab)
+    return counts
+
+
+def _save_outputs(p: dict, acc: _Acc, vocab: int) -> None:
+    from safetensors.numpy import save_file
+
+    tmp = p["parquet"].with_name(f".{p['parquet'].name}.partial")
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    _write(acc.rows, tmp)
+    install_file(tmp, p["parquet"])
+    with atomic_path(p["counts"]) as counts_tmp:
+        save_file({"counts": _counts(acc.rows, vocab)}, str(counts_tmp))
+    atomic_write_lines(p["rejected"], acc.rejected)
+
+
+def tokenize_shard(config: PipelineConfig, shard: str, tokenizer, tok_path: str, logger=None) -> TokenizeResult:
+    """Tokenize one generation shard; skipped when its marker matches the inputs and settings."""
+    log = logger or logging.getLogger(__name__)
+    p = _paths(Path(config.run_dir), shard)
+    if not p["gen_done"].exists():
+        raise TokenizeInputError(f"{p['gen_done']} not found: shard {shard} has not finished generating")
+    key = _key(p, config, tokenizer_fingerprint(tok_path))
+    if p["done"].exists() and read_json(p["done"]).get("key") == key and p["parquet"].exists():
+        done = read_json(p["done"])
+        if sha256_file(p["parquet"]) == done["parquet_sha256"]:
+            return TokenizeResult(**{**done["result"], "skipped": True})
+    p["done"].unlink(missing_ok=True)
+    table = pq.read_table(p["prompts"], columns=["id", "messages"])
+    messages = dict(zip(table.column("id").to_pylist(), table.column("messages").to_pylist()))
+    records = read_records(p["generations"], log)
+    vocab, acc, seen = vocab_size(tokenizer, tok_path), _Acc(), set()
+    every = max(1, len(records) // TEMPLATE_CHECKS)
+    for k, record in enumerate(records):
+        if not isinstance(record, dict):
+            acc.reject(None, "bad_record", f"record {k} is not a JSON object")
+        elif record.get("id") in seen:
+            acc.reject(record.get("id"), "duplicate", "a second record for this id")
+        else:
+            seen.add(record.get("id"))
+            _one(record, messages, tokenizer, vocab, config, acc, check=k % every == 0)
+    _save_outputs(p, acc, vocab)
+    result = TokenizeResult(shard, str(p["parquet"]), len(records), len(acc.rows), len(acc.rejected), acc.reasons,
+                            acc.tokens, acc.supervised, sum(1 for r in acc.rows if r[3]), acc.checks, False)
+    assert result.in_ == result.ok + result.filtered, result
+    atomic_write_json(p["done"], {"key": key, "parquet_sha256": sha256_file(p["parquet"]), "result": {k: v for k, v in result.__dict__.items() if k != "skipped"}})
+    log.info("%s: %d records -> %d rows (%d tokens, %d supervised), %d filtered %s; template check %s",
+             shard, result.in_, result.ok, result.tokens, result.supervised, result.filtered, result.reasons, acc.checks)
+    return result
+
+
+def record(config: PipelineConfig, results: list[TokenizeResult], tok_path: str) -> dict:
+    """The stage's manifest entry: counts, reasons, token totals and the template check."""
+    from eagle3.manifest import StageCounts, record_stage, versions
+
+    reasons: dict[str, int] = {}
+    checks = {"checked": 0, "prompt_mismatch": 0, "full_mismatch": 0}
+    for r in results:
+        for k, n in r.reasons.items():
+            reasons[k] = reasons.get(k, 0) + n
+        for k in checks:
+            checks[k] += r.template_check[k]
+    counts = StageCounts(sum(r.in_ for r in results), sum(r.ok for r in results), 0, sum(r.filtered for r in results), reasons)
+    rate = {k: round(checks[k] / checks["checked"], 4) if checks["checked"] else None for k in ("prompt_mismatch", "full_mismatch")}
+    return record_stage(
+        config.run_dir, "tokenize", counts, status="ok", tokenizer=tok_path, config_hash=section_hash(config.tokenize),
+        tokens=sum(r.tokens for r in results), supervised_tokens=sum(r.supervised for r in results),
+        truncated_rows=sum(r.truncated for r in results), template_check={**checks, "mismatch_rate": rate}, versions=versions("transformers", "tokenizers", "pyarrow"),
+    )

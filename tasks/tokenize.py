@@ -1,0 +1,51 @@
+"""Prefect tasks for stages ``tokenize`` (one per shard) and ``vocab``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
+
+from eagle3.config import PipelineConfig
+
+
+# Disk markers (keyed on input hashes, tokenizer and settings) decide what is done.
+@task(name="tokenize-shard", cache_policy=NO_CACHE, retries=1)
+def tokenize_shard_task(config: PipelineConfig, shard: str):
+    from eagle3.tokenize.stage import load_tokenizer, tokenize_shard, tokenizer_path
+
+    path = tokenizer_path(config)
+    return tokenize_shard(config, shard, load_tokenizer(path), path, logger=get_run_logger())
+
+
+@task(name="tokenize-summary", cache_policy=NO_CACHE)
+def tokenize_summary_task(config: PipelineConfig, results: list) -> dict:
+    from eagle3.tokenize.stage import record, tokenizer_path
+
+    entry = record(config, results, tokenizer_path(config))
+    rows = [{"shard": r.shard, "in": r.in_, "ok": r.ok, "filtered": r.filtered, "tokens": r.tokens, "supervised": r.supervised,
+             "truncated": r.truncated, "template mismatches": f"{r.template_check['full_mismatch']}/{r.template_check['checked']}"} for r in results]
+    create_table_artifact(key="tokenize-shards", table=rows, description=f"tokenize: {entry['ok']} rows, {entry['supervised_tokens']} supervised tokens")
+    return entry
+
+
+@task(name="draft-vocab", cache_policy=NO_CACHE)
+def vocab_task(config: PipelineConfig, shards: list[str]) -> dict:
+    from eagle3.vocab_stage import run_vocab
+
+    entry = run_vocab(config, shards, logger=get_run_logger())
+    create_markdown_artifact(
+        key="draft-vocab",
+        markdown=(f"**Draft vocabulary**: {entry['draft_vocab_size']} of {entry['target_vocab_size']} target ids "
+                  f"({'identity' if entry['identity'] else 'top supervised tokens'}); coverage of supervised tokens "
+                  f"**{100 * entry['coverage']:.2f}%**; written to `{entry['path']}`"),
+    )
+    return entry
+
+
+def shard_names(config: PipelineConfig) -> list[str]:
+    from eagle3.generate.stage import prepared_shards
+
+    return [Path(s).name for s in prepared_shards(config)]
