@@ -284,11 +284,11 @@ def chat_reply(rng: random.Random) -> str:
 
 def reasoning(rng: random.Random) -> str:
     steps = [rng.choice(THOUGHTS)]
-    steps.extend(_thought(rng) for _ in range(rng.randint(2, 5)))
+    steps.extend(thought_step(rng) for _ in range(rng.randint(2, 5)))
     return " ".join(steps)
 
 
-def _thought(rng: random.Random) -> str:
+def thought_step(rng: random.Random) -> str:
     maker = rng.choice((english_sentence, arithmetic, algebra, latex_math))
     prefix = rng.choice(THOUGHTS) + " " if rng.random() < 0.4 else ""
     return prefix + maker(rng)
