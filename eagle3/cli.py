@@ -97,6 +97,11 @@ def _summary(config, results: dict) -> str:
         lines.append(f"prompts:      {run / 'prompts'}  (rejected rows and reasons: {run / 'prompts' / 'rejected.jsonl'})")
     if "generate" in results:
         lines.append(f"generations:  {run / 'generations'}  (failures: shard-*.failed.jsonl; server log: server.log)")
+    if "tokenize" in results:
+        lines.append(f"tokenized:    {run / 'tokenized'}  (input_ids + loss_mask Parquet; filtered rows: shard-*.rejected.jsonl)")
+    if "vocab" in results:
+        v = results["vocab"]
+        lines.append(f"draft vocab:  {v['path']}  ({v['draft_vocab_size']} ids, coverage {100 * v['coverage']:.2f}%)")
     lines.append(f"manifest:     {run / 'manifest.json'}")
     return "\n".join(lines)
 
@@ -144,8 +149,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from eagle3.prepare.sources import SourceError
     from eagle3.prepare.stage import PrepareError
     from eagle3.serving.managed import ServerError
+    from eagle3.tokenize.stage import TokenizeInputError
 
-    return (ConfigError, SourceError, PrepareError, AccountingError, FileNotFoundError, GenerationFailed, MissingInputError, ServerError)
+    return (ConfigError, SourceError, PrepareError, AccountingError, FileNotFoundError, GenerationFailed, MissingInputError, ServerError, TokenizeInputError)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -52,6 +52,18 @@ def test_pipeline_flow_generates_with_real_vllm(prefect_server, demo_config):
     assert all(r["prompt_token_ids"] and r["completion_token_ids"] for r in records)
     assert sum(1 for r in records if r["reasoning"]) >= len(records) // 2, "the reasoning parser should split most samples"
     assert sum(1 for r in records if r["finish_reason"] == "stop") >= len(records) // 2
+    by_id = {r["id"]: r for r in records}
+    import pyarrow.parquet as pq
+
+    rows = [r for f in sorted((run / "tokenized").glob("shard-?????.parquet")) for r in pq.read_table(f).to_pylist()]
+    assert len(rows) == manifest["tokenize"]["ok"] == len(records), "every demo sample is tokenized"
+    for row in rows:
+        rec = by_id[row["id"]]
+        assert len(row["input_ids"]) == len(row["loss_mask"])
+        assert row["input_ids"] == rec["prompt_token_ids"] + rec["completion_token_ids"]
+        assert row["loss_mask"] == [0] * len(rec["prompt_token_ids"]) + [1] * len(rec["completion_token_ids"])
+    assert manifest["tokenize"]["template_check"]["prompt_mismatch"] == 0, "vLLM and the template agree on prompt ids"
+    assert manifest["vocab"]["identity"] and (run / "vocab" / "draft_vocab.safetensors").exists()
     log = (run / "generations" / "server.log").read_text()
     assert "Application startup complete" in log or "Uvicorn running" in log or "Started server process" in log
 
@@ -59,7 +71,7 @@ def test_pipeline_flow_generates_with_real_vllm(prefect_server, demo_config):
         parent = client.read_flow_run(state.state_details.flow_run_id)
         assert re.fullmatch(r"tiny-qwen3-\d{8}-\d{4}", parent.name), parent.name
         children = children_of(client, parent.id)
-        assert set(children) == {"eagle3-prepare", "eagle3-generate"}
+        assert set(children) == {"eagle3-prepare", "eagle3-generate", "eagle3-tokenize", "eagle3-vocab"}
         names = sorted(t.name.rsplit("-", 1)[0] for t in task_runs_of(client, children["eagle3-generate"].id))
         assert names == ["generate-shard-00000", "generate-shard-00001", "generate-summary"]
         assert client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["generate-errors"])))
@@ -154,8 +166,10 @@ def test_eagle3_run_end_to_end_from_the_cli(tmp_path):
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    table = {line.split()[0]: line.split()[1:6] for line in result.stdout.splitlines() if line.startswith(("prepare ", "generate "))}
+    table = {line.split()[0]: line.split()[1:6] for line in result.stdout.splitlines() if line.startswith(("prepare ", "generate ", "tokenize ", "vocab "))}
     assert table["prepare"][:2] == ["ok", "16"] and table["generate"][0] == "ok"
     assert table["generate"][1] == table["prepare"][2], "every prepared prompt goes into generation"
+    assert table["tokenize"][0] == "ok" and table["tokenize"][1] == table["generate"][2], "every sample is tokenized"
+    assert table["vocab"][0] == "ok"
     assert f"manifest:     {tmp_path / 'run' / 'manifest.json'}" in result.stdout
     assert not vllm_processes()

@@ -77,7 +77,7 @@ def test_bad_source_is_one_clear_message(tmp_path):
 
 
 def test_stage_not_built_yet_says_so():
-    result = run("train")
+    result = run("extract")
     assert result.returncode == 2
     assert "not built yet" in result.stderr and "prepare" in result.stderr
 
@@ -99,3 +99,11 @@ def test_console_script_is_installed():
     exe = Path(sys.executable).parent / "eagle3"
     assert exe.exists()
     assert subprocess.run([str(exe), "--help"], capture_output=True, timeout=60).returncode == 0
+
+
+def test_make_tiny_builds_a_loadable_model(tmp_path):
+    result = run("make-tiny", str(tmp_path / "tiny"), "--arch", "llama")
+    assert result.returncode == 0, result.stderr
+    assert f"built tiny llama model and tokenizer in {tmp_path / 'tiny'}" in result.stdout
+    config = __import__("json").loads((tmp_path / "tiny" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["hidden_size"] == 128
