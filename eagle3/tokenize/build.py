@@ -24,6 +24,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import numpy as np
+
 GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
@@ -37,9 +39,13 @@ class RowError(ValueError):
 
 @dataclass(frozen=True)
 class Sample:
-    input_ids: list[int]
-    loss_mask: list[int]
+    input_ids: np.ndarray  # int32
+    loss_mask: np.ndarray  # uint8
     path: str  # "server_ids" | "template"
+
+    @classmethod
+    def of(cls, ids, mask, path: str) -> Sample:
+        return cls(np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8), path)
 
 
 def _int_list(value, field: str, vocab_size: int) -> list[int]:
@@ -55,7 +61,9 @@ def from_server_ids(record: dict, vocab_size: int) -> Sample:
     completion = _int_list(record.get("completion_token_ids"), "completion_token_ids", vocab_size)
     if not completion:
         raise RowError("empty_completion", "the completion has no tokens")
-    return Sample(prompt + completion, [0] * len(prompt) + [1] * len(completion), "server_ids")
+    mask = np.zeros(len(prompt) + len(completion), dtype=np.uint8)
+    mask[len(prompt):] = 1
+    return Sample(np.asarray(prompt + completion, dtype=np.int32), mask, "server_ids")
 
 
 def has_ids(record: dict) -> bool:
@@ -88,13 +96,70 @@ def from_template(tokenizer, messages: list[dict], template_kwargs: dict | None 
     kwargs = template_kwargs or {}
     if GENERATION_TAG.search(tokenizer.chat_template or ""):
         out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **kwargs)
-        return Sample(list(out["input_ids"]), [int(m) for m in out["assistant_masks"]], "template")
+        return Sample.of(out["input_ids"], out["assistant_masks"], "template")
     return _by_prefix_diff(tokenizer, messages, kwargs)
+
+
+def _span_mask(offsets, spans) -> np.ndarray:
+    """1 on every token that overlaps a generation span (character ranges of the render)."""
+    pos = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    mask = np.zeros(len(pos), dtype=bool)
+    for start, end in spans:
+        mask |= (pos[:, 1] > start) & (pos[:, 0] < end)
+    return mask.astype(np.uint8)
+
+
+def _encoding_mask(encoding, spans) -> np.ndarray:
+    """The span mask from the encoding's char->token map: two look-ups per span instead of
+    converting every token's offsets; the full offset scan only when a span edge maps to no token."""
+    mask = np.zeros(len(encoding.ids), dtype=np.uint8)
+    for start, end in spans:
+        if end <= start:
+            continue
+        first, last = encoding.char_to_token(start), encoding.char_to_token(end - 1)
+        if first is None or last is None:
+            return _span_mask(encoding.offsets, spans)
+        mask[first: last + 1] = 1
+    return mask
+
+
+def from_template_batch(tokenizer, conversations: list[list[dict]]) -> list[Sample | RowError]:
+    """Many conversations at once: one render pass and one batched (parallel, Rust) encode.
+
+    The masks come from the template's generation spans mapped onto token offsets with numpy
+    (what ``return_assistant_tokens_mask`` computes, without its per-token Python loop). Falls
+    back to one at a time for templates without generation markers, and for a batch that fails
+    as a whole, so one bad conversation is reported alone."""
+    if not conversations:
+        return []
+    if GENERATION_TAG.search(tokenizer.chat_template or ""):
+        try:
+            from transformers.utils.chat_template_utils import render_jinja_template
+
+            texts, spans = render_jinja_template(
+                conversations, chat_template=tokenizer.chat_template, return_assistant_tokens_mask=True, **tokenizer.special_tokens_map
+            )
+            # The Rust tokenizer directly: transformers' per-row conversion of ids, offsets and
+            # masks into Python lists cost as much as the encoding itself (measured).
+            encodings = tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
+            return [Sample(np.array(e.ids, dtype=np.int32), _encoding_mask(e, sp), "template") for e, sp in zip(encodings, spans)]
+        except Exception:  # a template error on one row: find it below, row by row
+            pass
+    return [_safe_template(tokenizer, c) for c in conversations]
+
+
+def _safe_template(tokenizer, conv: list[dict]) -> Sample | RowError:
+    try:
+        return from_template(tokenizer, conv)
+    except RowError as err:
+        return err
+    except Exception as exc:  # jinja raise_exception, unknown roles ...: the row, not the run
+        return RowError("template_error", f"{type(exc).__name__}: {exc}")
 
 
 def _by_prefix_diff(tokenizer, messages: list[dict], kwargs: dict) -> Sample:
     ids = render_ids(tokenizer, messages, **kwargs)
-    mask = [0] * len(ids)
+    mask = np.zeros(len(ids), dtype=np.uint8)
     for k, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
@@ -102,9 +167,8 @@ def _by_prefix_diff(tokenizer, messages: list[dict], kwargs: dict) -> Sample:
         upto = render_ids(tokenizer, messages[: k + 1], **kwargs)
         if ids[: len(upto)] != upto or upto[: len(before)] != before:
             raise RowError("template_not_prefix_stable", f"rendering turn {k} is not a prefix of the whole conversation")
-        for i in range(len(before), len(upto)):
-            mask[i] = 1
-    return Sample(ids, mask, "template")
+        mask[len(before): len(upto)] = 1
+    return Sample.of(ids, mask, "template")
 
 
 def fit_length(sample: Sample, max_len: int, overflow: str) -> tuple[Sample, bool]:
@@ -114,7 +178,7 @@ def fit_length(sample: Sample, max_len: int, overflow: str) -> tuple[Sample, boo
         raise RowError("too_long", f"{len(sample.input_ids)} tokens > tokenize.max_seq_len={max_len} (overflow=drop)")
     if truncated:
         sample = Sample(sample.input_ids[:max_len], sample.loss_mask[:max_len], sample.path)
-    if not any(sample.loss_mask):
+    if not sample.loss_mask.any():
         why = "the prompt alone fills tokenize.max_seq_len" if truncated else "no token is supervised"
         raise RowError("no_supervised_tokens", why)
     return sample, truncated

@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 from eagle3.config import PipelineConfig, section_hash
 from eagle3.durable import atomic_path, atomic_write_json, atomic_write_lines, install_file, read_json, sha256_file
 from eagle3.generate.records import read_records
-from eagle3.tokenize.build import RowError, Sample, conversation, fit_length, from_server_ids, from_template, has_ids, render_ids
+from eagle3.tokenize.build import RowError, Sample, conversation, fit_length, from_server_ids, from_template_batch, has_ids, render_ids
 
 SCHEMA = pa.schema([
     ("id", pa.string()),
@@ -41,6 +41,7 @@ SCHEMA = pa.schema([
 ])
 ROW_GROUP_TOKENS = 1 << 20
 TEMPLATE_CHECKS = 64
+CHUNK = 512  # template-path rows rendered and encoded together
 
 
 class TokenizeInputError(RuntimeError):
@@ -126,29 +127,69 @@ def _check_template(tokenizer, messages, record, sample: Sample, checks: dict) -
     if render_ids(tokenizer, messages, add_generation_prompt=True) != prompt:
         checks["prompt_mismatch"] += 1
     full = render_ids(tokenizer, conversation(messages, record))
-    if full[: len(sample.input_ids)] != sample.input_ids:
+    if full[: len(sample.input_ids)] != sample.input_ids.tolist():
         checks["full_mismatch"] += 1
 
 
-def _one(record: dict, messages: dict, tokenizer, vocab: int, config: PipelineConfig, acc: _Acc, check: bool) -> None:
-    rid = record.get("id")
+def _server_sample(record: dict, messages: dict, tokenizer, vocab: int, acc: _Acc, check: bool) -> Sample:
+    sample = from_server_ids(record, vocab)
+    if check:
+        _check_template(tokenizer, messages[record["id"]], record, sample, acc.checks)
+    return sample
+
+
+def _keep(rid: str, sample: Sample, config: PipelineConfig, acc: _Acc) -> None:
     try:
-        if not isinstance(rid, str) or rid not in messages:
-            raise RowError("unknown_id", f"id {rid!r} is not in the prompt shard")
-        if has_ids(record):
-            sample = from_server_ids(record, vocab)
-            if check:
-                _check_template(tokenizer, messages[rid], record, sample, acc.checks)
-        else:
-            sample = from_template(tokenizer, conversation(messages[rid], record))
         sample, truncated = fit_length(sample, config.tokenize.max_seq_len, config.tokenize.overflow)
     except RowError as err:
         acc.reject(rid, err.kind, str(err))
         return
-    supervised = sum(sample.loss_mask)
+    supervised = int(sample.loss_mask.sum())
     acc.tokens += len(sample.input_ids)
     acc.supervised += supervised
     acc.rows.append((rid, sample, supervised, truncated))
+
+
+def _chunk(records: list[tuple[int, dict]], messages: dict, tokenizer, vocab: int, config: PipelineConfig, acc: _Acc, every: int) -> None:
+    """Server-id rows one by one; template rows of the chunk in one batched render + encode."""
+    samples: dict[int, Sample | RowError] = {}
+    pending: list[tuple[int, list[dict]]] = []
+    for k, record in records:
+        rid = record.get("id")
+        try:
+            if not isinstance(rid, str) or rid not in messages:
+                raise RowError("unknown_id", f"id {rid!r} is not in the prompt shard")
+            if has_ids(record):
+                samples[k] = _server_sample(record, messages, tokenizer, vocab, acc, k % every == 0)
+            else:
+                pending.append((k, conversation(messages[rid], record)))
+        except RowError as err:
+            samples[k] = err
+    for (k, _), sample in zip(pending, from_template_batch(tokenizer, [c for _, c in pending])):
+        samples[k] = sample
+    for k, record in records:
+        sample = samples[k]
+        if isinstance(sample, RowError):
+            acc.reject(record.get("id"), sample.kind, str(sample))
+        else:
+            _keep(record["id"], sample, config, acc)
+
+
+def _list_array(seqs: list[np.ndarray], arrow_type) -> pa.ListArray:
+    """Many arrays as one Arrow list column, built from one flat buffer (no per-item Python objects)."""
+    offsets = np.zeros(len(seqs) + 1, dtype=np.int32)
+    np.cumsum([len(x) for x in seqs], out=offsets[1:])
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(seqs), type=arrow_type))
+
+
+def _table(batch: list) -> pa.Table:
+    ids = [r[1].input_ids for r in batch]
+    return pa.Table.from_arrays([
+        pa.array([r[0] for r in batch], pa.string()), _list_array(ids, pa.int32()),
+        _list_array([r[1].loss_mask for r in batch], pa.uint8()), pa.array([len(x) for x in ids], pa.int32()),
+        pa.array([r[2] for r in batch], pa.int32()), pa.array([r[1].path for r in batch], pa.string()),
+        pa.array([r[3] for r in batch], pa.bool_()),
+    ], schema=SCHEMA)
 
 
 def _write(rows: list, tmp: Path) -> None:
@@ -159,21 +200,17 @@ def _write(rows: list, tmp: Path) -> None:
             batch.append(row)
             batch_tokens += len(row[1].input_ids)
         if batch and (row is None or batch_tokens >= ROW_GROUP_TOKENS):
-            writer.write_table(pa.Table.from_pydict({
-                "id": [r[0] for r in batch], "input_ids": [r[1].input_ids for r in batch], "loss_mask": [r[1].loss_mask for r in batch],
-                "num_tokens": [len(r[1].input_ids) for r in batch], "num_supervised": [r[2] for r in batch],
-                "path": [r[1].path for r in batch], "truncated": [r[3] for r in batch],
-            }, schema=SCHEMA))
+            writer.write_table(_table(batch))
             batch, batch_tokens = [], 0
     writer.close()
 
 
 def _counts(rows: list, vocab: int) -> np.ndarray:
-    counts = np.zeros(vocab, dtype=np.int64)
-    for _, sample, _, _ in rows:
-        ids = np.asarray(sample.input_ids, dtype=np.int64)
-        counts += np.bincount(ids[np.asarray(sample.loss_mask, dtype=bool)], minlength=vocab)
-    return counts
+    if not rows:
+        return np.zeros(vocab, dtype=np.int64)
+    ids = np.concatenate([r[1].input_ids for r in rows])
+    mask = np.concatenate([r[1].loss_mask for r in rows]).astype(bool)
+    return np.bincount(ids[mask], minlength=vocab).astype(np.int64)
 
 
 def _save_outputs(p: dict, acc: _Acc, vocab: int) -> None:
@@ -203,16 +240,21 @@ def tokenize_shard(config: PipelineConfig, shard: str, tokenizer, tok_path: str,
     table = pq.read_table(p["prompts"], columns=["id", "messages"])
     messages = dict(zip(table.column("id").to_pylist(), table.column("messages").to_pylist()))
     records = read_records(p["generations"], log)
-    vocab, acc, seen = vocab_size(tokenizer, tok_path), _Acc(), set()
+    vocab, acc, seen, chunk = vocab_size(tokenizer, tok_path), _Acc(), set(), []
     every = max(1, len(records) // TEMPLATE_CHECKS)
-    for k, record in enumerate(records):
+    for k, record in enumerate(records + [None]):
+        if record is None or len(chunk) == CHUNK:
+            _chunk(chunk, messages, tokenizer, vocab, config, acc, every)
+            chunk = []
+        if record is None:
+            break
         if not isinstance(record, dict):
             acc.reject(None, "bad_record", f"record {k} is not a JSON object")
         elif record.get("id") in seen:
             acc.reject(record.get("id"), "duplicate", "a second record for this id")
         else:
             seen.add(record.get("id"))
-            _one(record, messages, tokenizer, vocab, config, acc, check=k % every == 0)
+            chunk.append((k, record))
     _save_outputs(p, acc, vocab)
     result = TokenizeResult(shard, str(p["parquet"]), len(records), len(acc.rows), len(acc.rejected), acc.reasons,
                             acc.tokens, acc.supervised, sum(1 for r in acc.rows if r[3]), acc.checks, False)

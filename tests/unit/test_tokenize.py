@@ -198,3 +198,27 @@ def test_unfinished_generation_shard_is_refused(tmp_path):
     (Path(config.run_dir) / "generations" / "shard-00000.done.json").unlink()
     with pytest.raises(TokenizeInputError, match="has not finished generating"):
         run_stage(config, tok)
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_batched_template_path_equals_the_one_by_one_path(template):
+    from eagle3.tokenize.build import from_template_batch
+
+    tok = tokenizer_for(template)
+    convs = [CONVERSATIONS[name] for name in sorted(CONVERSATIONS)] * 3
+    batched = from_template_batch(tok, convs)
+    for conv, sample in zip(convs, batched):
+        single = from_template(tok, conv)
+        assert sample.input_ids.tolist() == single.input_ids.tolist()
+        assert sample.loss_mask.tolist() == single.loss_mask.tolist()
+
+
+def test_a_template_error_is_one_rows_reason():
+    from eagle3.tokenize.build import RowError, from_template_batch
+
+    tok = tokenizer_for("tiny-qwen3")
+    good = CONVERSATIONS["single"]
+    bad = [{"role": "narrator", "content": "x"}]  # the template raises on unknown roles
+    out = from_template_batch(tok, [good, bad, good])
+    assert [type(x).__name__ for x in out] == ["Sample", "RowError", "Sample"]
+    assert isinstance(out[1], RowError) and out[1].kind == "template_error"

@@ -1,0 +1,140 @@
+"""Tokenize stage benchmark.
+
+    .venv/bin/python benchmarks/bench_tokenize.py [--n 4000] [--repeats 3]
+
+- Two sample sizes: short (~300 tokens: chat-style answers) and long (~3,500 tokens: the
+  reasoning traces this pipeline exists for). Rendering costs per message and encoding per
+  token, so the ratio depends on length; both are reported.
+- Template path (records without server ids): the whole stage on one shard (read JSONL, render
+  with the chat template, batched encode, masks from the template's generation spans, length
+  policy, Parquet + counts written) against raw batch encoding of the *same rendered texts* with
+  the fast tokenizer (rendering not timed in the baseline). Target: stage >= 0.9 x baseline.
+- Server-ids path (records with token ids): rows/s of the whole stage, with the template check on
+  its sample of rows.
+Best of --repeats runs each. Results: benchmarks/results/tokenize.json and a table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT)]
+
+from eagle3.config import load_config  # noqa: E402
+from eagle3.generate.records import JsonlAppender  # noqa: E402
+from eagle3.prepare.stage import run_prepare  # noqa: E402
+from eagle3.tokenize.build import conversation, render_ids  # noqa: E402
+from eagle3.tokenize.stage import load_tokenizer, tokenize_shard, tokenizer_path  # noqa: E402
+
+WORDS = ("the model answers with a short proof that each step follows from the last one and then checks "
+         "the result against a second method before writing it down in plain words for the reader").split()
+
+
+def _text(rng: random.Random, lo: int, hi: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+
+
+SIZES = {"short": ((40, 300), (20, 120)), "long": ((1500, 3500), (200, 600))}
+
+
+def make_run(work: Path, n: int, with_ids: bool, size: str = "short"):
+    (r_lo, r_hi), (c_lo, c_hi) = SIZES[size]
+    rng = random.Random(0)
+    work.mkdir(parents=True, exist_ok=True)
+    src = work / "p.jsonl"
+    src.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": f"{i}: {_text(rng, 10, 60)}"}]}) + "\n" for i in range(n)))
+    config = load_config(None, [f'run_dir="{work / "run"}"', f'data.source="{src}"', "data.num_shards=1", "tokenize.max_seq_len=8192"])
+    run_prepare(config)
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(work / "run" / "prompts" / "shard-00000.parquet").to_pylist()
+    tok = load_tokenizer(tokenizer_path(config))
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    gen = work / "run" / "generations"
+    gen.mkdir(parents=True)
+    with JsonlAppender(gen / "shard-00000.jsonl", fsync_every=10_000) as out:
+        for row in rows:
+            rec = {"id": row["id"], "reasoning": _text(rng, r_lo, r_hi), "content": _text(rng, c_lo, c_hi), "finish_reason": "stop"}
+            if with_ids:
+                rec["prompt_token_ids"] = render_ids(tok, row["messages"], add_generation_prompt=True)
+                rec["completion_token_ids"] = tok.encode(f"{rec['reasoning']}\n</think>\n\n{rec['content']}", add_special_tokens=False) + [end]
+            out.append(rec)
+    (gen / "shard-00000.done.json").write_text("{}")
+    return config, tok, rows
+
+
+def time_stage(config, tok, repeats: int):
+    best = None
+    for _ in range(repeats):
+        shutil.rmtree(Path(config.run_dir) / "tokenized", ignore_errors=True)
+        started = time.perf_counter()
+        result = tokenize_shard(config, "shard-00000.parquet", tok, tokenizer_path(config))
+        elapsed = time.perf_counter() - started
+        best = min(best or elapsed, elapsed)
+    return result, best
+
+
+def time_raw_encode(tok, texts: list[str], repeats: int) -> tuple[float, int]:
+    best, tokens = None, 0
+    for _ in range(repeats):
+        started = time.perf_counter()
+        enc = tok(texts, add_special_tokens=False)
+        elapsed = time.perf_counter() - started
+        best = min(best or elapsed, elapsed)
+        tokens = sum(len(x) for x in enc["input_ids"])
+    return best, tokens
+
+
+def measure(work: Path, n: int, size: str, repeats: int) -> dict:
+    config, tok, rows = make_run(work / "template", n, with_ids=False, size=size)
+    result, stage_s = time_stage(config, tok, repeats)
+    records = [json.loads(x) for x in (Path(config.run_dir) / "generations" / "shard-00000.jsonl").read_text().splitlines()]
+    by_id = {r["id"]: r for r in rows}
+    texts = tok.apply_chat_template([conversation(by_id[r["id"]]["messages"], r) for r in records], tokenize=False)
+    raw_s, raw_tokens = time_raw_encode(tok, texts, repeats)
+    assert raw_tokens == result.tokens, (raw_tokens, result.tokens)
+    template = {
+        "samples": result.ok, "tokens": result.tokens, "stage_s": stage_s, "raw_encode_s": raw_s,
+        "stage_samples_per_s": result.ok / stage_s, "stage_tokens_per_s": result.tokens / stage_s,
+        "raw_samples_per_s": len(texts) / raw_s, "raw_tokens_per_s": raw_tokens / raw_s, "ratio": raw_s / stage_s,
+    }
+    config, tok, _ = make_run(work / "ids", n, with_ids=True, size=size)
+    result, ids_s = time_stage(config, tok, repeats)
+    exact = {"rows": result.ok, "tokens": result.tokens, "stage_s": ids_s, "rows_per_s": result.ok / ids_s, "tokens_per_s": result.tokens / ids_s,
+             "template_checked_rows": result.template_check["checked"]}
+    return {"template_path": template, "server_ids_path": exact}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--n", type=int, default=4000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "tokenize.json"))
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="eagle3-bench-tok-"))
+
+    out = {"n": args.n, "sizes": {}}
+    for size in SIZES:
+        n = args.n if size == "short" else max(1, args.n // 8)
+        out["sizes"][size] = measure(work / size, n, size, args.repeats)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print("| samples | path | rows | mean tokens | stage samples/s | stage tokens/s | raw batch encode tokens/s | stage / raw |")
+    print("|---|---|---|---|---|---|---|---|")
+    for size, m in out["sizes"].items():
+        t, e = m["template_path"], m["server_ids_path"]
+        print(f"| {size} | template | {t['samples']} | {t['tokens'] // t['samples']} | {t['stage_samples_per_s']:.0f} | {t['stage_tokens_per_s']:.0f} | {t['raw_tokens_per_s']:.0f} | {t['ratio']:.2f} |")
+        print(f"| {size} | server ids | {e['rows']} | {e['tokens'] // e['rows']} | {e['rows_per_s']:.0f} | {e['tokens_per_s']:.0f} | - | - |")
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
