@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -79,17 +80,25 @@ def repair_torn_tail(path: Path, logger: logging.Logger | logging.LoggerAdapter 
     return size - keep
 
 
-def read_records(path: str | Path, logger=None) -> list[dict]:
-    """All records of a JSONL stream, after repairing a torn tail. Missing file: no records."""
+def iter_records(path: str | Path, logger=None) -> Iterator[dict]:
+    """Records of a JSONL stream one at a time, after repairing a torn tail. Missing file: none."""
     path = Path(path)
     if not path.exists():
-        return []
+        return
     repair_torn_tail(path, logger)
-    records = []
     with open(path, "rb") as fh:
         for lineno, line in enumerate(fh, start=1):
             try:
-                records.append(json.loads(line))
+                yield json.loads(line)
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise RecordFileError(f"{path}:{lineno}: damaged record ({exc}); move the file aside to regenerate its shard") from None
-    return records
+
+
+def read_records(path: str | Path, logger=None) -> list[dict]:
+    """All records of a JSONL stream (see ``iter_records``)."""
+    return list(iter_records(path, logger))
+
+
+def read_ids(path: str | Path, logger=None) -> set[str]:
+    """The ids of a stream's records, without keeping the records (memory stays flat)."""
+    return {record["id"] for record in iter_records(path, logger)}

@@ -40,7 +40,7 @@ import pyarrow.parquet as pq
 from eagle3.config import GenerationConfig
 from eagle3.durable import atomic_write_json, read_json, sha256_file
 from eagle3.generate.client import EndpointPool, Stats, deadline_s, request_with_retries
-from eagle3.generate.records import JsonlAppender, read_records
+from eagle3.generate.records import JsonlAppender, read_ids
 
 
 class ShardLockedError(RuntimeError):
@@ -162,9 +162,9 @@ def _lock(p: dict[str, Path]):
 
 
 def _done_ids(p: dict[str, Path], log) -> tuple[set[str], set[str]]:
-    ok = {r["id"] for r in read_records(p["ok"], log)}
-    filtered = {r["id"] for r in read_records(p["filtered"], log)}
-    read_records(p["failed"], log)  # repairs its tail too, before we append
+    ok = read_ids(p["ok"], log)
+    filtered = read_ids(p["filtered"], log)
+    read_ids(p["failed"], log)  # repairs its tail too, before we append
     return ok, filtered
 
 
@@ -215,8 +215,8 @@ async def _generate(p, shard_file, prompts, ok_ids, filtered_ids, gen, model, po
 
 
 def _finish(p, shard_file, ids, run: _Run, key, input_sha, log, progress) -> ShardResult:
-    ok_ids = {r["id"] for r in read_records(p["ok"])}
-    filtered_ids = {r["id"] for r in read_records(p["filtered"])} - ok_ids
+    ok_ids = read_ids(p["ok"])
+    filtered_ids = read_ids(p["filtered"]) - ok_ids
     wanted = set(ids)
     failed = {i: r for i, r in run.failed.items() if i not in ok_ids and i not in filtered_ids}
     lost = wanted - ok_ids - filtered_ids - set(failed)

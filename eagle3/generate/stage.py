@@ -68,12 +68,12 @@ def summarize(config: PipelineConfig, shards: list[Path]) -> dict:
 def _unfinished(config: PipelineConfig, shard: Path) -> dict:
     import pyarrow.parquet as pq
 
-    from eagle3.generate.records import read_records
+    from eagle3.generate.records import read_ids
 
     p = paths(out_dir(config), shard.name)
     ids = set(pq.read_table(shard, columns=["id"]).column("id").to_pylist())
-    ok = {r["id"] for r in read_records(p["ok"])} & ids
-    filtered = ({r["id"] for r in read_records(p["filtered"])} & ids) - ok
+    ok = read_ids(p["ok"]) & ids
+    filtered = (read_ids(p["filtered"]) & ids) - ok
     failed = len(ids) - len(ok) - len(filtered)
     return {"in": len(ids), "ok": len(ok), "filtered": len(filtered), "failed": failed, "retryable": failed}
 
