@@ -34,16 +34,28 @@ class JsonlAppender:
         self._fsync_every = fsync_every
         self._unsynced = 0
 
-    def append(self, record: dict) -> None:
+    def append(self, record: dict, sync: bool = True) -> bool:
+        """Write and flush one record. With ``sync=False`` the caller runs the due fsync itself
+        (``sync_soon``) and this returns whether one is due."""
         self._fh.write((json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8"))
         self._unsynced += 1
-        if self._unsynced >= self._fsync_every:
+        due = self._unsynced >= self._fsync_every
+        if due and sync:
             self.sync()
+        return due
 
     def sync(self) -> None:
         if self._unsynced:
-            os.fsync(self._fh.fileno())
             self._unsynced = 0
+            os.fsync(self._fh.fileno())
+
+    async def sync_soon(self) -> None:
+        """fsync in a worker thread: an event loop blocked in fsync stalls every request in flight."""
+        import asyncio
+
+        if self._unsynced and not self._fh.closed:
+            self._unsynced = 0
+            await asyncio.to_thread(os.fsync, self._fh.fileno())
 
     def close(self) -> None:
         if not self._fh.closed:

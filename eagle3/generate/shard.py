@@ -130,7 +130,7 @@ class _Run:
         result, failure, attempts, latency = await request_with_retries(self.pool, body, self.gen, self.stats, rng)
         if failure is not None:
             record = {"id": pid, "error_kind": failure.kind, "message": failure.message, "attempts": attempts, "transient": failure.transient, "at": time.time()}
-            self.writers["failed"].append(record)
+            await self.write("failed", record)
             self.failed[pid] = record
             self.stats.failed += 1
             self.stats.errors[failure.kind] += 1
@@ -138,11 +138,17 @@ class _Run:
         record = {"id": pid, **result, "sampling": self.sampling, "attempts": attempts, "latency_s": round(latency, 3)}
         self.stats.completion_tokens += len(result["completion_token_ids"] or [])
         if result["finish_reason"] == "length" and not self.gen.keep_truncated:
-            self.writers["filtered"].append({**record, "reason": "truncated: finish_reason=length and generation.keep_truncated=false"})
             self.stats.filtered += 1
+            await self.write("filtered", {**record, "reason": "truncated: finish_reason=length and generation.keep_truncated=false"})
         else:
-            self.writers["ok"].append(record)
             self.stats.done += 1
+            await self.write("ok", record)
+
+    async def write(self, stream: str, record: dict) -> None:
+        """Append (flushed at once); the periodic fsync runs off the event loop."""
+        writer = self.writers[stream]
+        if writer.append(record, sync=False):
+            await writer.sync_soon()
 
 
 async def _report(stats: Stats, every_s: float, progress: Callable[[dict], None]) -> None:
