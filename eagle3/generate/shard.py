@@ -111,8 +111,9 @@ def _set_aside_stale(p: dict[str, Path], key: str, log) -> None:
 class _Run:
     """The mutable state of one pass over a shard."""
 
-    def __init__(self, prompts, done_ids, gen, model, pool, writers, stats, log):
-        self.todo = iter([(i, m) for i, m in prompts if i not in done_ids])
+    def __init__(self, prompts, ok_ids, filtered_ids, gen, model, pool, writers, stats, log):
+        self.todo = iter([(i, m) for i, m in prompts if i not in ok_ids and i not in filtered_ids])
+        self.ok_ids, self.filtered_ids = set(ok_ids), set(filtered_ids) - set(ok_ids)  # grown as records land
         self.gen, self.model, self.pool, self.writers, self.stats, self.log = gen, model, pool, writers, stats, log
         self.failed: dict[str, dict] = {}
         self.sampling = {"max_tokens": gen.max_tokens, "temperature": gen.temperature, "top_p": gen.top_p}
@@ -139,9 +140,11 @@ class _Run:
         self.stats.completion_tokens += len(result["completion_token_ids"] or [])
         if result["finish_reason"] == "length" and not self.gen.keep_truncated:
             self.stats.filtered += 1
+            self.filtered_ids.add(pid)
             await self.write("filtered", {**record, "reason": "truncated: finish_reason=length and generation.keep_truncated=false"})
         else:
             self.stats.done += 1
+            self.ok_ids.add(pid)
             await self.write("ok", record)
 
     async def write(self, stream: str, record: dict) -> None:
@@ -207,7 +210,7 @@ async def _generate(p, shard_file, prompts, ok_ids, filtered_ids, gen, model, po
     stats = Stats(total=len(ids), skipped=len(ok_ids | filtered_ids))
     log.info("%s: %d prompts, %d already on disk, deadline %.0f s per request", p["ok"].name, len(ids), stats.skipped, deadline_s(gen))
     writers = {k: JsonlAppender(p[k], gen.fsync_every) for k in ("ok", "filtered", "failed")}
-    run = _Run(prompts, ok_ids | filtered_ids, gen, model, pool, writers, stats, log)
+    run = _Run(prompts, ok_ids, filtered_ids, gen, model, pool, writers, stats, log)
     reporter = asyncio.create_task(_report(stats, every_s, progress)) if progress else None
     try:
         rngs = [random.Random(f"{key}:{k}") for k in range(workers)]
@@ -221,8 +224,8 @@ async def _generate(p, shard_file, prompts, ok_ids, filtered_ids, gen, model, po
 
 
 def _finish(p, shard_file, ids, run: _Run, key, input_sha, log, progress) -> ShardResult:
-    ok_ids = read_ids(p["ok"])
-    filtered_ids = read_ids(p["filtered"]) - ok_ids
+    # What was on disk at the start plus what this pass appended (no second read of the records).
+    ok_ids, filtered_ids = run.ok_ids, run.filtered_ids - run.ok_ids
     wanted = set(ids)
     failed = {i: r for i, r in run.failed.items() if i not in ok_ids and i not in filtered_ids}
     lost = wanted - ok_ids - filtered_ids - set(failed)
