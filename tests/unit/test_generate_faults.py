@@ -10,7 +10,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 from fake_openai import FakeConfig, FaultRule, run_fake_server
 
 from eagle3.config import load_config

@@ -1,7 +1,5 @@
 """Durable JSONL streams: flushed appends, torn-tail repair, damage named."""
 
-import json
-import os
 import subprocess
 import sys
 
