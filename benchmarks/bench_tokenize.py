@@ -11,7 +11,7 @@
   the fast tokenizer (rendering not timed in the baseline). Target: stage >= 0.9 x baseline.
 - Server-ids path (records with token ids): rows/s of the whole stage, with the template check on
   its sample of rows.
-Best of --repeats runs each. Results: benchmarks/results/tokenize.json and a table on stdout.
+Stage and baseline runs alternate, best of --repeats each. Results: benchmarks/results/tokenize.json and a table on stdout.
 """
 
 from __future__ import annotations
@@ -71,35 +71,36 @@ def make_run(work: Path, n: int, with_ids: bool, size: str = "short"):
     return config, tok, rows
 
 
+def time_stage_once(config, tok) -> tuple[object, float]:
+    shutil.rmtree(Path(config.run_dir) / "tokenized", ignore_errors=True)
+    started = time.perf_counter()
+    result = tokenize_shard(config, "shard-00000.parquet", tok, tokenizer_path(config))
+    return result, time.perf_counter() - started
+
+
 def time_stage(config, tok, repeats: int):
-    best = None
-    for _ in range(repeats):
-        shutil.rmtree(Path(config.run_dir) / "tokenized", ignore_errors=True)
-        started = time.perf_counter()
-        result = tokenize_shard(config, "shard-00000.parquet", tok, tokenizer_path(config))
-        elapsed = time.perf_counter() - started
-        best = min(best or elapsed, elapsed)
-    return result, best
+    runs = [time_stage_once(config, tok) for _ in range(repeats)]
+    return runs[0][0], min(t for _, t in runs)
 
 
-def time_raw_encode(tok, texts: list[str], repeats: int) -> tuple[float, int]:
-    best, tokens = None, 0
-    for _ in range(repeats):
-        started = time.perf_counter()
-        enc = tok(texts, add_special_tokens=False)
-        elapsed = time.perf_counter() - started
-        best = min(best or elapsed, elapsed)
-        tokens = sum(len(x) for x in enc["input_ids"])
-    return best, tokens
+def time_raw_encode_once(tok, texts: list[str]) -> tuple[float, int]:
+    started = time.perf_counter()
+    enc = tok(texts, add_special_tokens=False)
+    return time.perf_counter() - started, sum(len(x) for x in enc["input_ids"])
 
 
 def measure(work: Path, n: int, size: str, repeats: int) -> dict:
     config, tok, rows = make_run(work / "template", n, with_ids=False, size=size)
-    result, stage_s = time_stage(config, tok, repeats)
     records = [json.loads(x) for x in (Path(config.run_dir) / "generations" / "shard-00000.jsonl").read_text().splitlines()]
     by_id = {r["id"]: r for r in rows}
     texts = tok.apply_chat_template([conversation(by_id[r["id"]]["messages"], r) for r in records], tokenize=False)
-    raw_s, raw_tokens = time_raw_encode(tok, texts, repeats)
+    # Alternate the two so that drift in this shared machine's speed hits both alike; best of each.
+    stage_runs, raw_runs = [], []
+    for _ in range(repeats):
+        stage_runs.append(time_stage_once(config, tok))
+        raw_runs.append(time_raw_encode_once(tok, texts))
+    result, stage_s = stage_runs[0][0], min(t for _, t in stage_runs)
+    raw_s, raw_tokens = min(t for t, _ in raw_runs), raw_runs[0][1]
     assert raw_tokens == result.tokens, (raw_tokens, result.tokens)
     template = {
         "samples": result.ok, "tokens": result.tokens, "stage_s": stage_s, "raw_encode_s": raw_s,
@@ -116,7 +117,7 @@ def measure(work: Path, n: int, size: str, repeats: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--n", type=int, default=4000)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "tokenize.json"))
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="eagle3-bench-tok-"))

@@ -123,29 +123,45 @@ def _encoding_mask(encoding, spans) -> np.ndarray:
     return mask
 
 
-def from_template_batch(tokenizer, conversations: list[list[dict]]) -> list[Sample | RowError]:
+def from_template_batch(tokenizer, conversations: list[list[dict]], executor=None):
     """Many conversations at once: one render pass and one batched (parallel, Rust) encode.
 
     The masks come from the template's generation spans mapped onto token offsets with numpy
     (what ``return_assistant_tokens_mask`` computes, without its per-token Python loop). Falls
     back to one at a time for templates without generation markers, and for a batch that fails
-    as a whole, so one bad conversation is reported alone."""
-    if not conversations:
-        return []
-    if GENERATION_TAG.search(tokenizer.chat_template or ""):
-        try:
-            from transformers.utils.chat_template_utils import render_jinja_template
+    as a whole, so one bad conversation is reported alone.
 
-            texts, spans = render_jinja_template(
-                conversations, chat_template=tokenizer.chat_template, return_assistant_tokens_mask=True, **tokenizer.special_tokens_map
-            )
-            # The Rust tokenizer directly: transformers' per-row conversion of ids, offsets and
-            # masks into Python lists cost as much as the encoding itself (measured).
-            encodings = tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
-            return [Sample(np.array(e.ids, dtype=np.int32), _encoding_mask(e, sp), "template") for e, sp in zip(encodings, spans)]
-        except Exception:  # a template error on one row: find it below, row by row
-            pass
-    return [_safe_template(tokenizer, c) for c in conversations]
+    With an ``executor`` the encode runs there and a function that returns the samples comes
+    back at once: the tokenizer's Rust encode releases the GIL, so the caller can render the
+    next batch meanwhile (measured: the encode alone keeps only ~1.2 of 2 cores busy)."""
+    rendered = _render_generation(tokenizer, conversations) if conversations else None
+    if rendered is None:
+        samples = [_safe_template(tokenizer, c) for c in conversations]
+        return (lambda: samples) if executor is not None else samples
+    texts, spans = rendered
+    # The Rust tokenizer directly: transformers' per-row conversion of ids, offsets and
+    # masks into Python lists cost as much as the encoding itself (measured).
+    if executor is None:
+        return _samples(tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False), spans)
+    future = executor.submit(tokenizer.backend_tokenizer.encode_batch, texts, add_special_tokens=False)
+    return lambda: _samples(future.result(), spans)
+
+
+def _render_generation(tokenizer, conversations: list[list[dict]]):
+    """(texts, generation spans) for templates with generation markers; None when the
+    template has none or some row does not render (found row by row by the caller)."""
+    if not GENERATION_TAG.search(tokenizer.chat_template or ""):
+        return None
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    try:
+        return render_jinja_template(conversations, chat_template=tokenizer.chat_template, return_assistant_tokens_mask=True, **tokenizer.special_tokens_map)
+    except Exception:  # a template error on one row: found row by row
+        return None
+
+
+def _samples(encodings, spans) -> list[Sample]:
+    return [Sample(np.array(e.ids, dtype=np.int32), _encoding_mask(e, sp), "template") for e, sp in zip(encodings, spans)]
 
 
 def _safe_template(tokenizer, conv: list[dict]) -> Sample | RowError:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -150,8 +151,9 @@ def _keep(rid: str, sample: Sample, config: PipelineConfig, acc: _Acc) -> None:
     acc.rows.append((rid, sample, supervised, truncated))
 
 
-def _chunk(records: list[tuple[int, dict]], messages: dict, tokenizer, vocab: int, config: PipelineConfig, acc: _Acc, every: int) -> None:
-    """Server-id rows one by one; template rows of the chunk in one batched render + encode."""
+def _chunk(records: list[tuple[int, dict]], messages: dict, tokenizer, vocab: int, config: PipelineConfig, acc: _Acc, every: int, executor):
+    """Start one chunk: server-id rows one by one, template rows rendered together and their
+    encode handed to ``executor``. Returns the function that finishes the chunk (in order)."""
     samples: dict[int, Sample | RowError] = {}
     pending: list[tuple[int, list[dict]]] = []
     for k, record in records:
@@ -165,14 +167,19 @@ def _chunk(records: list[tuple[int, dict]], messages: dict, tokenizer, vocab: in
                 pending.append((k, conversation(messages[rid], record)))
         except RowError as err:
             samples[k] = err
-    for (k, _), sample in zip(pending, from_template_batch(tokenizer, [c for _, c in pending])):
-        samples[k] = sample
-    for k, record in records:
-        sample = samples[k]
-        if isinstance(sample, RowError):
-            acc.reject(record.get("id"), sample.kind, str(sample))
-        else:
-            _keep(record["id"], sample, config, acc)
+    encoded = from_template_batch(tokenizer, [c for _, c in pending], executor)
+
+    def finish() -> None:
+        for (k, _), sample in zip(pending, encoded()):
+            samples[k] = sample
+        for k, record in records:
+            sample = samples[k]
+            if isinstance(sample, RowError):
+                acc.reject(record.get("id"), sample.kind, str(sample))
+            else:
+                _keep(record["id"], sample, config, acc)
+
+    return finish
 
 
 def _list_array(seqs: list[np.ndarray], arrow_type) -> pa.ListArray:
@@ -240,21 +247,25 @@ def tokenize_shard(config: PipelineConfig, shard: str, tokenizer, tok_path: str,
     table = pq.read_table(p["prompts"], columns=["id", "messages"])
     messages = dict(zip(table.column("id").to_pylist(), table.column("messages").to_pylist()))
     records = read_records(p["generations"], log)
-    vocab, acc, seen, chunk = vocab_size(tokenizer, tok_path), _Acc(), set(), []
+    vocab, acc, seen, chunk, unfinished = vocab_size(tokenizer, tok_path), _Acc(), set(), [], None
     every = max(1, len(records) // TEMPLATE_CHECKS)
-    for k, record in enumerate(records + [None]):
-        if record is None or len(chunk) == CHUNK:
-            _chunk(chunk, messages, tokenizer, vocab, config, acc, every)
-            chunk = []
-        if record is None:
-            break
-        if not isinstance(record, dict):
-            acc.reject(None, "bad_record", f"record {k} is not a JSON object")
-        elif record.get("id") in seen:
-            acc.reject(record.get("id"), "duplicate", "a second record for this id")
-        else:
-            seen.add(record.get("id"))
-            chunk.append((k, record))
+    with ThreadPoolExecutor(1, thread_name_prefix="encode") as executor:  # chunk k encodes while k+1 renders
+        for k, record in enumerate(records + [None]):
+            if record is None or len(chunk) == CHUNK:
+                started = _chunk(chunk, messages, tokenizer, vocab, config, acc, every, executor)
+                if unfinished is not None:
+                    unfinished()
+                unfinished, chunk = started, []
+            if record is None:
+                unfinished()
+                break
+            if not isinstance(record, dict):
+                acc.reject(None, "bad_record", f"record {k} is not a JSON object")
+            elif record.get("id") in seen:
+                acc.reject(record.get("id"), "duplicate", "a second record for this id")
+            else:
+                seen.add(record.get("id"))
+                chunk.append((k, record))
     _save_outputs(p, acc, vocab)
     result = TokenizeResult(shard, str(p["parquet"]), len(records), len(acc.rows), len(acc.rejected), acc.reasons,
                             acc.tokens, acc.supervised, sum(1 for r in acc.rows if r[3]), acc.checks, False)
