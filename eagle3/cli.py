@@ -102,6 +102,10 @@ def _summary(config, results: dict) -> str:
     if "vocab" in results:
         v = results["vocab"]
         lines.append(f"draft vocab:  {v['path']}  ({v['draft_vocab_size']} ids, coverage {100 * v['coverage']:.2f}%)")
+    if "extract" in results:
+        e = results["extract"]
+        where = f"{run / 'hidden_states'}" if e["mode"] == "offline" else "computed inside training (online mode)"
+        lines.append(f"hidden states: {where}  (layers {e['layer_ids']}, {e['tokens']} tokens, {e['bytes'] / 2**20:.1f} MiB)")
     lines.append(f"manifest:     {run / 'manifest.json'}")
     return "\n".join(lines)
 
@@ -131,6 +135,11 @@ def cmd_stage(args: argparse.Namespace) -> int:
         print(f"eagle3 {args.command}: this stage is not built yet; built so far: {', '.join(BUILT)}", file=sys.stderr)
         return 2
     _preflight(config)
+    if args.command == "extract":  # its inputs exist already: check them (and the disk) before any flow run
+        from eagle3.hidden.stage import check_disk, plan
+        from tasks.tokenize import shard_names
+
+        check_disk(config, plan(config, shard_names(config)))
     import asyncio
     import inspect
 
@@ -149,9 +158,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from eagle3.prepare.sources import SourceError
     from eagle3.prepare.stage import PrepareError
     from eagle3.serving.managed import ServerError
+    from eagle3.hidden.errors import USER_ERRORS as EXTRACT_ERRORS
     from eagle3.tokenize.stage import TokenizeInputError
 
-    return (ConfigError, SourceError, PrepareError, AccountingError, FileNotFoundError, GenerationFailed, MissingInputError, ServerError, TokenizeInputError)
+    return (ConfigError, SourceError, PrepareError, AccountingError, FileNotFoundError, GenerationFailed, MissingInputError, ServerError, TokenizeInputError, *EXTRACT_ERRORS)
 
 
 def main(argv: list[str] | None = None) -> int:

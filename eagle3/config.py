@@ -250,12 +250,72 @@ class VocabConfig(_Strict):
 class HiddenStatesConfig(_Strict):
     """The target's hidden states the drafter trains on (stage ``extract``)."""
 
-    mode: Literal["offline", "online"] = Field("offline", description="offline: store states on disk once; online: compute them inside training when disk would not hold them.")
+    mode: Literal["offline", "online"] = Field(
+        "offline",
+        description=(
+            "offline: run the target once over every tokenized shard and store its states (bf16 safetensors, "
+            "tokens x 4 x hidden x 2 bytes); training then reads them and can run for many epochs without the "
+            "target. online: store nothing; training runs the same extraction per batch (the target in memory "
+            "next to the drafter) -- for datasets whose states would not fit on disk. Default offline: cheapest "
+            "for the demo and for more than one epoch."
+        ),
+    )
+    backend: Literal["hf", "vllm"] = Field(
+        "hf",
+        description=(
+            "hf: a transformers forward pass of the target (bf16, device_map across GPUs, CPU works). vllm: "
+            "vLLM's own hidden-state extraction in the server.python environment, the route for targets too big "
+            "for a transformers forward (offline mode only). Default hf: no second environment needed."
+        ),
+    )
     layer_ids: list[int] | None = Field(
         None,
-        description="The three auxiliary layers (vLLM numbering). Default: low/middle/high chosen from the target's depth so they stay distinct for small models.",
+        description=(
+            "The three auxiliary layers in vLLM numbering (id i = the output of decoder layer i-1, before any "
+            "final norm; 1 <= i <= num_hidden_layers). Written into the export, so vLLM feeds the drafter the "
+            "same layers when serving. Default: vLLM's own choice (2, L/2, L-3) where those are distinct, else "
+            "(1, L/2, L-1), so a small target still gives three different layers."
+        ),
     )
-    batch_tokens: int = Field(16384, gt=0, description="Tokens per extraction forward pass.")
+    batch_tokens: int = Field(
+        16384,
+        gt=0,
+        description="Padded tokens per forward pass (samples are bucketed by length, so padding stays small). 16k fits an 8B target on one 80 GB GPU with room to spare.",
+    )
+    dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16",
+        description="Dtype the target runs in (states are stored as bf16 either way). bf16 is what vLLM serves in; float32 only for small targets and tests.",
+    )
+    replicas: int = Field(
+        1,
+        ge=1,
+        description=(
+            "Copies of the target, one per GPU (replica r on cuda:r), each extracting its own shards in parallel: "
+            "use the GPU count when one GPU holds the target. 1 with several GPUs: one copy spread over all of "
+            "them (device_map=auto). CPU: keep 1 (one copy already uses every core)."
+        ),
+    )
+    vllm_chunk_tokens: int = Field(
+        65536,
+        gt=0,
+        description=(
+            "vllm backend: tokens per worker run. Each run starts vLLM once (30-60 s on CPU, minutes for a large GPU "
+            "target) and holds its chunk's states in memory (tokens x 4 x hidden x 4 bytes: 4 GiB at 64k tokens "
+            "for hidden 4096), so this trades start-up time against memory."
+        ),
+    )
+    timeout_s: float = Field(
+        7200.0,
+        gt=0,
+        description="Deadline for one vllm backend worker run (one chunk): it is killed and the shard fails, to be retried, after this.",
+    )
+
+    @field_validator("layer_ids")
+    @classmethod
+    def _three_ids(cls, value):
+        if value is not None and (len(value) != 3 or len(set(value)) != 3 or min(value) < 1):
+            raise ValueError(f"needs three different layer ids >= 1 (vLLM numbering), got {value}")
+        return value
 
 
 class TrainConfig(_Strict):

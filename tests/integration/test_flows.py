@@ -7,6 +7,7 @@ import re
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 from fake_openai import FakeConfig, FaultRule, run_fake_server
 from prefect.client.orchestration import get_client
@@ -64,6 +65,14 @@ def test_pipeline_flow_generates_with_real_vllm(prefect_server, demo_config):
         assert row["loss_mask"] == [0] * len(rec["prompt_token_ids"]) + [1] * len(rec["completion_token_ids"])
     assert manifest["tokenize"]["template_check"]["prompt_mismatch"] == 0, "vLLM and the template agree on prompt ids"
     assert manifest["vocab"]["identity"] and (run / "vocab" / "draft_vocab.safetensors").exists()
+    from eagle3.hidden.store import ShardStates
+
+    ext = manifest["extract"]
+    assert ext["in"] == ext["ok"] == manifest["tokenize"]["ok"] and ext["layer_ids"] == [1, 2, 3]
+    for f in sorted((run / "tokenized").glob("shard-?????.parquet")):
+        tokenized = pq.read_table(f, columns=["num_tokens"]).column("num_tokens").to_pylist()
+        states = ShardStates(run / "hidden_states" / f"{f.stem}.safetensors")
+        assert len(states) == len(tokenized) and np.diff(states.offsets).tolist() == tokenized, "one state row per token, per sample"
     log = (run / "generations" / "server.log").read_text()
     assert "Application startup complete" in log or "Uvicorn running" in log or "Started server process" in log
 
@@ -71,7 +80,7 @@ def test_pipeline_flow_generates_with_real_vllm(prefect_server, demo_config):
         parent = client.read_flow_run(state.state_details.flow_run_id)
         assert re.fullmatch(r"tiny-qwen3-\d{8}-\d{4}", parent.name), parent.name
         children = children_of(client, parent.id)
-        assert set(children) == {"eagle3-prepare", "eagle3-generate", "eagle3-tokenize", "eagle3-vocab"}
+        assert set(children) == {"eagle3-prepare", "eagle3-generate", "eagle3-tokenize", "eagle3-vocab", "eagle3-extract"}
         names = sorted(t.name.rsplit("-", 1)[0] for t in task_runs_of(client, children["eagle3-generate"].id))
         assert names == ["generate-shard-00000", "generate-shard-00001", "generate-summary"]
         assert client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["generate-errors"])))
@@ -166,10 +175,12 @@ def test_eagle3_run_end_to_end_from_the_cli(tmp_path):
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    table = {line.split()[0]: line.split()[1:6] for line in result.stdout.splitlines() if line.startswith(("prepare ", "generate ", "tokenize ", "vocab "))}
+    table = {line.split()[0]: line.split()[1:6] for line in result.stdout.splitlines() if line.startswith(("prepare ", "generate ", "tokenize ", "vocab ", "extract "))}
     assert table["prepare"][:2] == ["ok", "16"] and table["generate"][0] == "ok"
     assert table["generate"][1] == table["prepare"][2], "every prepared prompt goes into generation"
     assert table["tokenize"][0] == "ok" and table["tokenize"][1] == table["generate"][2], "every sample is tokenized"
     assert table["vocab"][0] == "ok"
+    assert table["extract"][0] == "ok" and table["extract"][2] == table["tokenize"][2], "every tokenized sample gets its states"
+    assert f"hidden states: {tmp_path / 'run' / 'hidden_states'}" in result.stdout
     assert f"manifest:     {tmp_path / 'run' / 'manifest.json'}" in result.stdout
     assert not vllm_processes()

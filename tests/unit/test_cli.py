@@ -77,7 +77,7 @@ def test_bad_source_is_one_clear_message(tmp_path):
 
 
 def test_stage_not_built_yet_says_so():
-    result = run("extract")
+    result = run("train")
     assert result.returncode == 2
     assert "not built yet" in result.stderr and "prepare" in result.stderr
 
@@ -107,3 +107,13 @@ def test_make_tiny_builds_a_loadable_model(tmp_path):
     assert f"built tiny llama model and tokenizer in {tmp_path / 'tiny'}" in result.stdout
     config = __import__("json").loads((tmp_path / "tiny" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["hidden_size"] == 128
+
+
+def test_extract_without_tokenized_shards_is_one_clear_message(tmp_path):
+    from eagle3.config import load_config
+    from eagle3.prepare.stage import run_prepare
+
+    run_prepare(load_config(None, [f'run_dir="{tmp_path}"']))
+    result = run("extract", "--set", f'run_dir="{tmp_path}"')
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert "shard-00000.done.json not found: shard shard-00000.parquet has not been tokenized" in result.stderr

@@ -1,0 +1,254 @@
+"""Stage ``extract``: tokenized shards -> the target's hidden states, per shard.
+
+- Inputs: ``tokenized/shard-K.parquet`` (complete when ``shard-K.done.json`` exists).
+- Outputs (offline mode): ``hidden_states/shard-K.safetensors`` (see ``store``), the index
+  ``shard-K.index.json`` (sample ids in row order, token counts, layer ids, model) and the marker
+  ``shard-K.done.json`` last, keyed on the tokenized shard's hash, the model, the layer ids, the
+  dtype and the backend: same inputs, no work; anything changed, the shard is extracted again.
+- Before any work the stage adds up the bytes the missing shards need (tokens x 4 x H x 2) and
+  refuses to start when the run directory's filesystem has less free space, naming both numbers.
+- Online mode stores nothing: it checks the target's layer ids and writes ``online.json``, the
+  settings training uses to run the same extraction per batch.
+- Accounting per shard: ``in`` = tokenized rows = ``ok`` (rows with stored states). A forward
+  that fails fails the shard (its task retries); a shard is never half-written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from eagle3.config import PipelineConfig, section_hash
+from eagle3.durable import atomic_write_json, read_json
+from eagle3.hidden.errors import DiskSpaceError, ExtractInputError, StatesError
+from eagle3.hidden.store import StatesWriter, states_bytes
+
+DISK_MARGIN = 1.02  # headers, index files and filesystem slack on top of the tensors themselves
+
+
+@dataclass(frozen=True)
+class ExtractResult:
+    shard: str
+    path: str
+    in_: int
+    ok: int
+    tokens: int
+    seconds: float
+    skipped: bool
+
+
+def model_path(config: PipelineConfig) -> str:
+    from eagle3.models import resolve_model
+
+    return resolve_model(config.server.model)
+
+
+def _paths(run_dir: Path, shard: str) -> dict[str, Path]:
+    stem = shard.removesuffix(".parquet")
+    out = run_dir / "hidden_states"
+    return {
+        "tokenized": run_dir / "tokenized" / shard, "tok_done": run_dir / "tokenized" / f"{stem}.done.json",
+        "states": out / f"{stem}.safetensors", "index": out / f"{stem}.index.json", "done": out / f"{stem}.done.json",
+    }
+
+
+def _key(config: PipelineConfig, tokenized_sha: str, fingerprint: str, layer_ids: list[int]) -> str:
+    hs = config.hidden_states
+    parts = [tokenized_sha, fingerprint, json.dumps(layer_ids), hs.dtype, hs.backend]
+    return hashlib.sha256(":".join(parts).encode()).hexdigest()[:16]
+
+
+def _tokenized(p: dict, shard: str) -> tuple[list[str], list[list[int]]]:
+    if not p["tok_done"].exists():
+        raise ExtractInputError(f"{p['tok_done']} not found: shard {shard} has not been tokenized (run `eagle3 tokenize`)")
+    try:
+        table = pq.read_table(p["tokenized"], columns=["id", "input_ids", "num_tokens"])
+    except Exception as exc:
+        raise ExtractInputError(f"{p['tokenized']}: not a readable tokenized shard ({exc})") from None
+    ids, seqs = table.column("id").to_pylist(), table.column("input_ids").to_pylist()
+    for rid, seq, n in zip(ids, seqs, table.column("num_tokens").to_pylist()):
+        if len(seq) != n or n == 0:
+            raise ExtractInputError(f"{p['tokenized']}: row {rid!r} has {len(seq)} input ids but num_tokens={n}")
+    return ids, seqs
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Per shard: its key and whether its states are already complete on disk."""
+
+    layer_ids: list[int]
+    hidden_size: int
+    fingerprint: str
+    keys: dict[str, str]
+    done: dict[str, bool]
+    tokens: dict[str, int]
+
+    @property
+    def bytes_needed(self) -> int:
+        return int(sum(states_bytes(self.tokens[s], self.hidden_size) for s, d in self.done.items() if not d) * DISK_MARGIN)
+
+
+def plan(config: PipelineConfig, shards: list[str]) -> Plan:
+    """Layer ids, keys and the disk bill, from the tokenized markers and the model's config."""
+    from eagle3.hidden.extract import model_fingerprint, num_layers_of, resolve_layer_ids
+
+    path = model_path(config)
+    layers, hidden = num_layers_of(path)
+    layer_ids = resolve_layer_ids(config.hidden_states.layer_ids, layers)
+    fingerprint = model_fingerprint(path)
+    keys, done, tokens = {}, {}, {}
+    for shard in shards:
+        p = _paths(Path(config.run_dir), shard)
+        if not p["tok_done"].exists():
+            raise ExtractInputError(f"{p['tok_done']} not found: shard {shard} has not been tokenized (run `eagle3 tokenize`)")
+        marker = read_json(p["tok_done"])
+        keys[shard] = _key(config, marker["parquet_sha256"], fingerprint, layer_ids)
+        tokens[shard] = int(marker["result"]["tokens"])
+        done[shard] = _is_done(p, keys[shard])
+    return Plan(layer_ids, hidden, fingerprint, keys, done, tokens)
+
+
+def _is_done(p: dict, key: str) -> bool:
+    if not (p["done"].exists() and p["states"].exists()):
+        return False
+    done = read_json(p["done"])
+    return done.get("key") == key and p["states"].stat().st_size == done.get("bytes")
+
+
+def check_disk(config: PipelineConfig, the_plan: Plan) -> None:
+    """Refuse to start when the missing shards' states would not fit, naming both numbers."""
+    need = the_plan.bytes_needed
+    if config.hidden_states.mode == "online" or need == 0:
+        return
+    out = Path(config.run_dir) / "hidden_states"
+    out.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(out).free
+    if free < need:
+        missing = sum(1 for d in the_plan.done.values() if not d)
+        raise DiskSpaceError(
+            f"extract: the states of {missing} shards need {_gib(need)} ({sum(t for s, t in the_plan.tokens.items() if not the_plan.done[s])} tokens "
+            f"x 4 x {the_plan.hidden_size} x 2 bytes, +{round((DISK_MARGIN - 1) * 100)}%) but {out} has only {_gib(free)} free. "
+            "Free space, point run_dir at a larger disk, or set hidden_states.mode=\"online\" to compute states inside training."
+        )
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB ({n} bytes)"
+
+
+def extract_shard(config: PipelineConfig, shard: str, the_plan: Plan, replica: int = 0, logger=None) -> ExtractResult:
+    """Extract one shard's states (skipped when its marker matches)."""
+    log = logger or logging.getLogger(__name__)
+    p = _paths(Path(config.run_dir), shard)
+    key = the_plan.keys[shard]
+    if _is_done(p, key):
+        result = read_json(p["done"])["result"]
+        return ExtractResult(**{**result, "skipped": True})
+    p["done"].unlink(missing_ok=True)
+    ids, seqs = _tokenized(p, shard)
+    started = time.perf_counter()
+    hs = config.hidden_states
+    meta = {"model": config.server.model, "layer_ids": json.dumps(the_plan.layer_ids), "hidden_size": str(the_plan.hidden_size), "shard": shard}
+    with StatesWriter(p["states"], [len(s) for s in seqs], the_plan.hidden_size, meta) as writer:
+        if hs.backend == "vllm":
+            _fill_with_vllm(config, shard, ids, seqs, the_plan, writer, log)
+        else:
+            _fill_with_hf(config, seqs, the_plan, writer, replica, log, shard)
+        writer.commit()
+    tokens = sum(len(s) for s in seqs)
+    seconds = time.perf_counter() - started
+    atomic_write_json(p["index"], {"shard": shard, "ids": ids, "num_tokens": [len(s) for s in seqs], "layer_ids": the_plan.layer_ids,
+                                   "hidden_size": the_plan.hidden_size, "model": config.server.model, "dtype": "bfloat16"})
+    result = ExtractResult(shard, str(p["states"]), len(ids), len(ids), tokens, round(seconds, 3), False)
+    atomic_write_json(p["done"], {"key": key, "bytes": p["states"].stat().st_size, "result": {k: v for k, v in result.__dict__.items() if k != "skipped"}})
+    log.info("%s: %d samples, %d tokens -> %s in %.1f s (%.0f tokens/s)", shard, len(ids), tokens, p["states"], seconds, tokens / max(seconds, 1e-9))
+    return result
+
+
+def _fill_with_hf(config, seqs, the_plan: Plan, writer: StatesWriter, replica: int, log, shard: str) -> None:
+    from eagle3.hidden.extract import cached_extractor
+
+    hs = config.hidden_states
+    extractor = cached_extractor(model_path(config), the_plan.layer_ids, hs.dtype, replica, hs.replicas)
+    done, last_log, total = 0, time.monotonic(), len(seqs)
+    for k, aux, last in extractor.iter_states(seqs, hs.batch_tokens):
+        writer.write(k, aux, last)
+        done += 1
+        if time.monotonic() - last_log > 30:
+            log.info("%s: %d/%d samples", shard, done, total)
+            last_log = time.monotonic()
+
+
+def _fill_with_vllm(config, shard: str, ids, seqs, the_plan: Plan, writer: StatesWriter, log) -> None:
+    """vLLM's own extraction, in chunks of ``vllm_chunk_tokens`` (one worker run each)."""
+    import torch
+
+    from eagle3.hidden.vllm_backend import extract_with_vllm
+
+    hs = config.hidden_states
+    layers = [*the_plan.layer_ids, _num_layers(config)]
+    work = Path(config.run_dir) / "hidden_states" / f".vllm-{shard.removesuffix('.parquet')}"
+    chunks, current, tokens = [], [], 0
+    for k, seq in enumerate(seqs):
+        if current and tokens + len(seq) > hs.vllm_chunk_tokens:
+            chunks.append(current)
+            current, tokens = [], 0
+        current.append(k)
+        tokens += len(seq)
+    chunks.append(current)
+    try:
+        for n, chunk in enumerate(chunks):
+            log.info("%s: vLLM extraction, chunk %d/%d (%d samples)", shard, n + 1, len(chunks), len(chunk))
+            work.mkdir(parents=True, exist_ok=True)
+            states = extract_with_vllm(config.server.python, model_path(config), layers, [(ids[k], seqs[k]) for k in chunk], work,
+                                       hs.timeout_s, env=dict(config.server.env), log=log)
+            for k in chunk:
+                h = torch.from_numpy(states.pop(ids[k]))  # [T, 4, H]
+                if h.shape[0] != len(seqs[k]):
+                    raise StatesError(f"{shard}: vLLM returned {h.shape[0]} positions for {ids[k]!r}, which has {len(seqs[k])} tokens")
+                writer.write(k, h[:, :3, :].reshape(h.shape[0], -1), h[:, 3, :])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _num_layers(config: PipelineConfig) -> int:
+    from eagle3.hidden.extract import num_layers_of
+
+    return num_layers_of(model_path(config))[0]
+
+
+def write_online(config: PipelineConfig, the_plan: Plan, shards: list[str]) -> dict:
+    """Online mode: the settings training extracts with, checked against the target now."""
+    settings = {"model": config.server.model, "layer_ids": the_plan.layer_ids, "hidden_size": the_plan.hidden_size,
+                "dtype": config.hidden_states.dtype, "shards": shards, "tokens": sum(the_plan.tokens.values())}
+    atomic_write_json(Path(config.run_dir) / "hidden_states" / "online.json", settings)
+    return settings
+
+
+def record(config: PipelineConfig, results: list[ExtractResult], the_plan: Plan) -> dict:
+    from eagle3.manifest import StageCounts, record_stage, versions
+
+    counts = StageCounts(sum(r.in_ for r in results), sum(r.ok for r in results))
+    return record_stage(
+        config.run_dir, "extract", counts, status="ok", mode=config.hidden_states.mode, backend=config.hidden_states.backend,
+        layer_ids=the_plan.layer_ids, hidden_size=the_plan.hidden_size, tokens=sum(r.tokens for r in results),
+        bytes=sum((Path(r.path).stat().st_size if Path(r.path).exists() else 0) for r in results),
+        config_hash=section_hash(config.hidden_states), model_fingerprint=the_plan.fingerprint, versions=versions("torch", "transformers", "safetensors"),
+    )
+
+
+def online_results(config: PipelineConfig, shards: list[str], the_plan: Plan) -> list[ExtractResult]:
+    """Online mode's accounting: every tokenized row will get its states inside training."""
+    out = []
+    for shard in shards:
+        p = _paths(Path(config.run_dir), shard)
+        rows = int(read_json(p["tok_done"])["result"]["ok"])
+        out.append(ExtractResult(shard, "", rows, rows, the_plan.tokens[shard], 0.0, False))
+    return out

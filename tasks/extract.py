@@ -1,0 +1,54 @@
+"""Prefect tasks for stage ``extract``: the plan (layer ids, disk check), one task per shard, the summary.
+
+Nothing here imports torch: the stage module is imported inside each task.
+"""
+
+from __future__ import annotations
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_table_artifact
+from prefect.cache_policies import NO_CACHE
+
+from eagle3.config import PipelineConfig
+
+
+# Disk markers keyed on the tokenized shard's hash, the model, layer ids, dtype and backend decide what is done.
+@task(name="extract-plan", cache_policy=NO_CACHE)
+def plan_task(config: PipelineConfig, shards: list[str]):
+    from eagle3.hidden.stage import check_disk, plan
+
+    the_plan = plan(config, shards)
+    check_disk(config, the_plan)
+    todo = [s for s, done in the_plan.done.items() if not done]
+    get_run_logger().info("extract: layer ids %s, hidden size %d; %d of %d shards to extract (%.2f GiB)", the_plan.layer_ids, the_plan.hidden_size,
+                          len(todo), len(shards), the_plan.bytes_needed / 2**30)
+    return the_plan
+
+
+@task(name="extract-shard", cache_policy=NO_CACHE, retries=1)
+def extract_shard_task(config: PipelineConfig, shard: str, the_plan, replica: int = 0):
+    from eagle3.hidden.stage import extract_shard
+
+    return extract_shard(config, shard, the_plan, replica, logger=get_run_logger())
+
+
+@task(name="extract-summary", cache_policy=NO_CACHE)
+def extract_summary_task(config: PipelineConfig, results: list, the_plan) -> dict:
+    from eagle3.hidden.extract import release_extractors
+    from eagle3.hidden.stage import record
+
+    release_extractors()
+    entry = record(config, results, the_plan)
+    rows = [{"shard": r.shard, "samples": r.ok, "tokens": r.tokens, "seconds": r.seconds, "skipped": r.skipped} for r in results]
+    create_table_artifact(key="extract-shards", table=rows,
+                          description=f"extract ({entry['mode']}, {entry['backend']}): layer ids {entry['layer_ids']}, {entry['tokens']} tokens, {entry['bytes'] / 2**30:.3f} GiB")
+    return entry
+
+
+@task(name="extract-online", cache_policy=NO_CACHE)
+def online_task(config: PipelineConfig, shards: list[str], the_plan) -> dict:
+    from eagle3.hidden.stage import online_results, record, write_online
+
+    settings = write_online(config, the_plan, shards)
+    get_run_logger().info("extract: online mode, nothing stored; training extracts layers %s per batch", settings["layer_ids"])
+    return record(config, online_results(config, shards, the_plan), the_plan)

@@ -1,0 +1,216 @@
+"""Hidden-state extraction: layer convention, padding, storage, resume, online == offline, disk refusal."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hidden_runs import LENGTHS, make_run, samples
+
+from eagle3.config import load_config
+from eagle3.hidden.errors import (
+    DiskSpaceError,
+    ExtractInputError,
+    LayerIdError,
+    StatesError,
+)
+from eagle3.hidden.extract import (
+    HFExtractor,
+    default_layer_ids,
+    length_batches,
+    resolve_layer_ids,
+)
+from eagle3.hidden.store import ShardStates, StatesWriter
+from eagle3.tiny import ensure_tiny
+
+
+@pytest.fixture(scope="module")
+def tiny() -> str:
+    return str(ensure_tiny("qwen3"))
+
+
+@pytest.fixture(scope="module")
+def extractor(tiny) -> HFExtractor:
+    return HFExtractor(tiny, None, "float32")
+
+
+def direct(model, ids: list[int], layer_ids: list[int]):
+    """One sample alone, through HF's own outputs: hidden_states[i] for the aux ids and the
+    final norm's input for the last layer (what vLLM takes)."""
+    caught = {}
+    hook = model.model.norm.register_forward_pre_hook(lambda _m, args: caught.__setitem__("pre_norm", args[0]))
+    try:
+        with torch.no_grad():
+            out = model(torch.tensor([ids]), output_hidden_states=True)
+    finally:
+        hook.remove()
+    return {i: out.hidden_states[i][0] for i in layer_ids}, caught["pre_norm"][0], out.hidden_states[-1][0]
+
+
+def test_default_layer_ids_stay_distinct_for_small_targets():
+    assert default_layer_ids(32) == [2, 16, 29]  # vLLM's own choice where it is distinct
+    assert default_layer_ids(4) == [1, 2, 3]  # vLLM's (2, 2, 1) would collapse
+    assert len(set(default_layer_ids(5))) == 3
+    with pytest.raises(LayerIdError, match="set hidden_states.layer_ids"):
+        default_layer_ids(2)
+    with pytest.raises(LayerIdError, match=r"\[5\] outside 1..4"):
+        resolve_layer_ids([1, 2, 5], 4)
+
+
+def test_config_rejects_layer_ids_that_are_not_three_distinct():
+    from eagle3.config import ConfigError
+
+    with pytest.raises(ConfigError, match="layer_ids"):
+        load_config(None, ["hidden_states.layer_ids=[1, 1, 2]"])
+
+
+def test_length_batches_cover_every_sample_once_within_the_token_budget():
+    lengths = [5, 100, 3, 60, 60, 7, 300, 1]
+    batches = length_batches(lengths, 128)
+    assert sorted(k for b in batches for k in b) == list(range(len(lengths)))
+    for b in batches:
+        assert len(b) == 1 or len(b) * max(lengths[k] for k in b) <= 128
+
+
+def test_states_equal_a_direct_forward_per_layer_and_padding_never_leaks(extractor):
+    batch = samples()
+    out = extractor.states(batch)  # one padded batch of five different lengths
+    H = extractor.hidden_size
+    for ids, (aux, last) in zip(batch, out):
+        assert aux.shape == (len(ids), 3 * H) and last.shape == (len(ids), H)
+        per_layer, pre_norm, post_norm = direct(extractor.model, ids, extractor.layer_ids)
+        for j, i in enumerate(extractor.layer_ids):
+            torch.testing.assert_close(aux[:, j * H:(j + 1) * H], per_layer[i], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(last, pre_norm, rtol=1e-4, atol=1e-4)
+        assert not torch.allclose(last, post_norm, atol=1e-2), "the last state must be taken before the final norm"
+
+
+def test_writer_round_trip_out_of_order_and_loadable_by_safetensors(tmp_path):
+    from safetensors.torch import load_file
+
+    H, lengths = 8, [3, 5, 2]
+    data = [(torch.randn(n, 3 * H), torch.randn(n, H)) for n in lengths]
+    path = tmp_path / "s.safetensors"
+    with StatesWriter(path, lengths, H, {"model": "m"}) as w:
+        for k in (2, 0, 1):
+            w.write(k, *data[k])
+        w.commit()
+    loaded = load_file(str(path))  # the stock reader accepts the hand-written header
+    assert loaded["aux"].dtype == torch.bfloat16 and loaded["aux"].shape == (10, 3 * H)
+    assert loaded["offsets"].tolist() == [0, 3, 8, 10]
+    states = ShardStates(path)
+    assert len(states) == 3 and states.metadata["model"] == "m"
+    for k, (aux, last) in enumerate(data):
+        a, b = states.sample(k)
+        assert torch.equal(a, aux.to(torch.bfloat16)) and torch.equal(b, last.to(torch.bfloat16))
+
+
+def test_writer_refuses_holes_bad_shapes_and_non_finite_values(tmp_path):
+    H = 4
+    path = tmp_path / "s.safetensors"
+    w = StatesWriter(path, [2, 2], H)
+    with pytest.raises(StatesError, match=r"sample 0 expects aux \[2, 12\]"):
+        w.write(0, torch.zeros(3, 12), torch.zeros(3, 4))
+    with pytest.raises(StatesError, match="non-finite"):
+        w.write(0, torch.full((2, 12), float("nan")), torch.zeros(2, 4))
+    w.write(0, torch.zeros(2, 12), torch.zeros(2, 4))
+    with pytest.raises(StatesError, match="1 samples were never written"):
+        w.commit()
+    assert not path.exists() and not list(tmp_path.iterdir()), "no final file and no temp file left behind"
+
+
+def run_stage(config, names):
+    from eagle3.hidden.stage import check_disk, extract_shard, plan
+
+    the_plan = plan(config, names)
+    check_disk(config, the_plan)
+    return the_plan, [extract_shard(config, s, the_plan) for s in names]
+
+
+def test_stage_stores_what_a_direct_forward_gives_and_resumes(tmp_path, extractor):
+    config, names = make_run(tmp_path)
+    the_plan, results = run_stage(config, names)
+    assert [r.ok for r in results] == [5, 2] and not any(r.skipped for r in results)
+    out = Path(config.run_dir) / "hidden_states"
+    index = json.loads((out / "shard-00000.index.json").read_text())
+    assert index["ids"] == [f"s0-{k}" for k in range(5)] and index["num_tokens"] == list(LENGTHS) and index["layer_ids"] == [1, 2, 3]
+    states, H = ShardStates(out / "shard-00000.safetensors"), extractor.hidden_size
+    for k, ids in enumerate(samples(LENGTHS, seed=0)):
+        aux, last = states.sample(k)
+        per_layer, pre_norm, _ = direct(extractor.model, ids, [1, 2, 3])
+        for j in range(3):
+            torch.testing.assert_close(aux[:, j * H:(j + 1) * H].float(), per_layer[j + 1], rtol=1e-2, atol=1e-2)  # bf16 storage
+        torch.testing.assert_close(last.float(), pre_norm, rtol=1e-2, atol=1e-2)
+
+    before = (out / "shard-00000.safetensors").stat().st_mtime_ns
+    _, again = run_stage(config, names)
+    assert all(r.skipped for r in again), "same inputs: nothing is extracted again"
+    assert (out / "shard-00000.safetensors").stat().st_mtime_ns == before
+
+    (out / "shard-00001.safetensors").unlink()
+    _, third = run_stage(config, names)
+    assert [r.skipped for r in third] == [True, False], "a shard whose states are gone is extracted again"
+
+    changed = config.model_copy(update={"hidden_states": config.hidden_states.model_copy(update={"layer_ids": [1, 3, 4]})})
+    _, fourth = run_stage(changed, names)
+    assert not any(r.skipped for r in fourth), "new layer ids: every shard again"
+
+
+def test_a_killed_extraction_leaves_no_complete_looking_shard(tmp_path, monkeypatch):
+    from eagle3.hidden import store
+
+    config, names = make_run(tmp_path)
+    real, calls = store.StatesWriter.write, {"n": 0}
+
+    def dies_after_two(self, k, aux, last):
+        if calls["n"] == 2:
+            raise KeyboardInterrupt("killed")
+        calls["n"] += 1
+        return real(self, k, aux, last)
+
+    monkeypatch.setattr(store.StatesWriter, "write", dies_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        run_stage(config, names)
+    out = Path(config.run_dir) / "hidden_states"
+    assert not (out / "shard-00000.safetensors").exists() and not (out / "shard-00000.done.json").exists()
+    assert not list(out.glob(".*partial")), "the partial file is removed"
+    monkeypatch.setattr(store.StatesWriter, "write", real)
+    _, results = run_stage(config, names)
+    assert [r.ok for r in results] == [5, 2]
+
+
+def test_online_extraction_gives_the_stored_tensors(tmp_path, extractor):
+    config, names = make_run(tmp_path)
+    run_stage(config, names)
+    states = ShardStates(Path(config.run_dir) / "hidden_states" / "shard-00000.safetensors")
+    seqs = samples(LENGTHS, seed=0)
+    # Training's online path: the same extractor function on a training batch, cast to the stored dtype.
+    from eagle3.hidden.extract import cached_extractor
+
+    online = cached_extractor(extractor.model_path, [1, 2, 3], "float32")
+    for batch in ([0, 1, 2], [3, 4]):
+        for k, (aux, last) in zip(batch, online.states([seqs[k] for k in batch])):
+            a, b = states.sample(k)
+            torch.testing.assert_close(aux.to(torch.bfloat16), a, rtol=1e-2, atol=1e-2)
+            torch.testing.assert_close(last.to(torch.bfloat16), b, rtol=1e-2, atol=1e-2)
+
+
+def test_disk_refusal_names_both_numbers(tmp_path, monkeypatch):
+    import shutil
+
+    from eagle3.hidden import stage
+
+    config, names = make_run(tmp_path)
+    monkeypatch.setattr(stage.shutil, "disk_usage", lambda _p: shutil._ntuple_diskusage(10**12, 10**12 - 1000, 1000))
+    need = int((sum(LENGTHS) + 42) * 4 * 128 * 2 * stage.DISK_MARGIN)
+    with pytest.raises(DiskSpaceError) as err:
+        run_stage(config, names)
+    assert f"need 0.00 GiB ({need} bytes)" in str(err.value) and "only 0.00 GiB (1000 bytes) free" in str(err.value)
+    assert not (Path(config.run_dir) / "hidden_states" / "shard-00000.safetensors").exists()
+
+
+def test_missing_tokenized_shard_is_named(tmp_path):
+    config, names = make_run(tmp_path)
+    (Path(config.run_dir) / "tokenized" / "shard-00001.done.json").unlink()
+    with pytest.raises(ExtractInputError, match="shard-00001.done.json not found.*eagle3 tokenize"):
+        run_stage(config, names)
