@@ -1,0 +1,201 @@
+"""Hidden states through vLLM's own extraction route, driven from the pipeline venv.
+
+The pipeline venv has no vllm: this module writes a request file, runs
+``vllm_worker.py`` (beside this file) with the vLLM venv's python under a deadline,
+streams the worker's output to a logger and reads back the one safetensors file it
+writes. Only numpy, safetensors and the standard library are used here.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+WORKER = Path(__file__).resolve().parent / "vllm_worker.py"
+REQUEST_NAME = "vllm_hidden_request.json"
+OUTPUT_NAME = "vllm_hidden_states.safetensors"
+TAIL_LINES = 20
+KILL_GRACE_S = 10.0
+
+
+class VllmExtractError(RuntimeError):
+    """The vLLM worker failed, timed out, or wrote something unusable."""
+
+
+def extract_with_vllm(
+    python: str,
+    model: str,
+    layer_ids: list[int],
+    samples: list[tuple[str, list[int]]],
+    work_dir: Path,
+    timeout_s: float,
+    env: dict | None = None,
+    log=None,
+    *,
+    max_model_len: int | None = None,
+    engine_args: dict | None = None,
+) -> dict[str, np.ndarray]:
+    """Hidden states of ``samples`` as ``{id: float32 [T, len(layer_ids), H]}``.
+
+    ``layer_ids`` use vLLM's aux numbering (id ``i`` = output of decoder layer ``i-1``;
+    the layer count = the last layer's output before the final norm). ``python`` is the
+    vLLM venv's interpreter; ``env`` adds to this process's environment (e.g.
+    ``VLLM_CPU_KVCACHE_SPACE``). ``max_model_len`` defaults to the longest sample plus
+    the one generated token; ``engine_args`` are extra ``vllm.LLM`` keyword arguments.
+    Raises ``VllmExtractError`` with the worker's last output lines on any failure.
+    """
+    log = log or logger
+    ids = [sample_id for sample_id, _ in samples]
+    if not samples:
+        raise ValueError("no samples to extract")
+    if len(set(ids)) != len(ids):
+        raise ValueError("sample ids must be unique")
+    if not layer_ids:
+        raise ValueError("layer_ids must not be empty")
+    work_dir = Path(work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    output = work_dir / OUTPUT_NAME
+    if output.exists():
+        output.unlink()
+    longest = max(len(tokens) for _, tokens in samples)
+    request = {
+        "model": str(model),
+        "layer_ids": [int(i) for i in layer_ids],
+        "samples": [{"id": sample_id, "input_ids": [int(t) for t in tokens]}
+                    for sample_id, tokens in samples],
+        "output": str(output.absolute()),
+        "max_model_len": int(max_model_len or longest + 1),
+    }
+    if engine_args:
+        request["engine_args"] = dict(engine_args)
+    request_path = work_dir / REQUEST_NAME
+    write_json_atomically(request_path, request)
+
+    tail = run_worker([python, str(WORKER), str(request_path)], env, timeout_s, log)
+    if not output.exists():
+        raise VllmExtractError(f"vLLM worker exited cleanly but wrote no {output}" + render(tail))
+    return read_output(output, samples, len(layer_ids), tail)
+
+
+def write_json_atomically(path: Path, payload: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as handle:
+        json.dump(payload, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def render(tail) -> str:
+    lines = list(tail)
+    return ("\n--- last vLLM worker output ---\n" + "\n".join(lines)) if lines else ""
+
+
+def run_worker(command: list[str], env: dict | None, timeout_s: float, log) -> collections.deque:
+    """Run the worker in its own process group; return its last output lines.
+
+    stdout and stderr share one pipe (vLLM logs to both), read by a thread that
+    forwards each line to ``log`` so a stalled worker cannot block the deadline.
+    """
+    full_env = dict(os.environ)
+    full_env.update({k: str(v) for k, v in (env or {}).items()})
+    full_env.setdefault("HF_HUB_OFFLINE", "1")
+    tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
+    began = time.monotonic()
+    try:
+        proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=full_env, start_new_session=True, text=True, errors="replace", bufsize=1,
+        )
+    except OSError as exc:
+        raise VllmExtractError(f"cannot start the vLLM worker with {command[0]}: {exc}") from exc
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            tail.append(line)
+            log.info("vllm: %s", line)
+
+    pgid = proc.pid  # start_new_session: the worker leads its own process group
+    reader = threading.Thread(target=pump, name="vllm-worker-log", daemon=True)
+    reader.start()
+    try:
+        rc = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        kill_group(proc, pgid)
+        reader.join(timeout=5)
+        raise VllmExtractError(
+            f"vLLM worker exceeded its {timeout_s:g} s timeout and was killed" + render(tail)
+        ) from None
+    except BaseException:
+        kill_group(proc, pgid)
+        raise
+    # Anything the worker left behind (an engine-core child, say) goes with it.
+    kill_group(proc, pgid, grace_s=2.0)
+    reader.join(timeout=5)
+    log.info("vLLM worker finished in %.1f s (exit %s)", time.monotonic() - began, rc)
+    if rc != 0:
+        raise VllmExtractError(f"vLLM worker failed (exit {rc})" + render(tail))
+    return tail
+
+
+def kill_group(proc: subprocess.Popen, pgid: int, grace_s: float = KILL_GRACE_S) -> None:
+    """SIGTERM the worker's process group, then SIGKILL whatever is left after ``grace_s``."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        if not group_alive(pgid):
+            return
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None and not group_alive(pgid):
+                return
+            time.sleep(0.05)
+    proc.poll()
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def read_output(path: Path, samples, n_layers: int, tail) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    try:
+        data = load_file(str(path))
+    except Exception as exc:  # noqa: BLE001 - any read failure is a bad output
+        raise VllmExtractError(f"cannot read the vLLM worker's output {path}: {exc}" + render(tail)) from exc
+    result: dict[str, np.ndarray] = {}
+    for k, (sample_id, tokens) in enumerate(samples):
+        states, seen = data.get(f"h.{k}"), data.get(f"ids.{k}")
+        if states is None or seen is None:
+            raise VllmExtractError(f"{path} lacks h.{k}/ids.{k} (sample {sample_id!r})" + render(tail))
+        if states.ndim != 3 or states.shape[0] != len(tokens) or states.shape[1] != n_layers:
+            raise VllmExtractError(
+                f"sample {sample_id!r}: states shaped {states.shape}, expected "
+                f"[{len(tokens)}, {n_layers}, H]" + render(tail)
+            )
+        if not np.array_equal(seen.astype(np.int64), np.asarray(tokens, dtype=np.int64)):
+            raise VllmExtractError(f"sample {sample_id!r}: vLLM saw different token ids" + render(tail))
+        result[sample_id] = np.ascontiguousarray(states, dtype=np.float32)
+    return result
