@@ -239,7 +239,7 @@ def record(config: PipelineConfig, results: list[ExtractResult], the_plan: Plan)
     return record_stage(
         config.run_dir, "extract", counts, status="ok", mode=config.hidden_states.mode, backend=config.hidden_states.backend,
         layer_ids=the_plan.layer_ids, hidden_size=the_plan.hidden_size, tokens=sum(r.tokens for r in results),
-        bytes=sum((Path(r.path).stat().st_size if Path(r.path).exists() else 0) for r in results),
+        bytes=sum(Path(r.path).stat().st_size for r in results if r.path and Path(r.path).is_file()),
         config_hash=section_hash(config.hidden_states), model_fingerprint=the_plan.fingerprint, versions=versions("torch", "transformers", "safetensors"),
     )
 

@@ -214,3 +214,30 @@ def test_missing_tokenized_shard_is_named(tmp_path):
     (Path(config.run_dir) / "tokenized" / "shard-00001.done.json").unlink()
     with pytest.raises(ExtractInputError, match="shard-00001.done.json not found.*eagle3 tokenize"):
         run_stage(config, names)
+
+
+def test_online_mode_stores_nothing_and_records_the_settings_training_uses(tmp_path):
+    from eagle3.hidden.stage import online_results, plan, record, write_online
+
+    config, names = make_run(tmp_path, (LENGTHS, (12, 30)), 'hidden_states.mode="online"')
+    the_plan = plan(config, names)
+    settings = write_online(config, the_plan, names)
+    entry = record(config, online_results(config, names, the_plan), the_plan)
+    out = Path(config.run_dir) / "hidden_states"
+    assert json.loads((out / "online.json").read_text()) == settings and settings["layer_ids"] == [1, 2, 3]
+    assert (entry["mode"], entry["in"], entry["ok"], entry["tokens"], entry["bytes"]) == ("online", 7, 7, sum(LENGTHS) + 42, 0)
+    assert not list(out.glob("*.safetensors"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_bf16_extraction_matches_the_cpu_float32_forward(tiny, extractor):
+    from eagle3.hidden.extract import Placement
+
+    gpu = HFExtractor(tiny, None, "bfloat16", Placement.for_replica(0, 1))
+    assert gpu.device.startswith("cuda")
+    batch = samples()
+    for (a, b), (ref_a, ref_b) in zip(gpu.states(batch), extractor.states(batch)):
+        scale = ref_a.abs().max().item()
+        torch.testing.assert_close(a.float(), ref_a, rtol=3e-2, atol=3e-2 * max(scale, 1.0))
+        torch.testing.assert_close(b.float(), ref_b, rtol=3e-2, atol=3e-2 * max(scale, 1.0))
