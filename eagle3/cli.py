@@ -106,6 +106,10 @@ def _summary(config, results: dict) -> str:
         e = results["extract"]
         where = f"{run / 'hidden_states'}" if e["mode"] == "offline" else "computed inside training (online mode)"
         lines.append(f"hidden states: {where}  (layers {e['layer_ids']}, {e['tokens']} tokens, {e['bytes'] / 2**20:.1f} MiB)")
+    if "train" in results:
+        t = results["train"]
+        best = t.get("best") or {}
+        lines.append(f"drafter:      {run / 'checkpoints'}  (best: step {best.get('step')}, held-out acceptance length {best.get('acceptance_length', 0):.3f}; curves: {run / 'train' / 'curves.png'})")
     lines.append(f"manifest:     {run / 'manifest.json'}")
     return "\n".join(lines)
 
@@ -160,8 +164,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from eagle3.serving.managed import ServerError
     from eagle3.hidden.errors import USER_ERRORS as EXTRACT_ERRORS
     from eagle3.tokenize.stage import TokenizeInputError
+    from eagle3.train.stage import TrainDataError, TrainFailed, TrainInputError
 
-    return (ConfigError, SourceError, PrepareError, AccountingError, FileNotFoundError, GenerationFailed, MissingInputError, ServerError, TokenizeInputError, *EXTRACT_ERRORS)
+    return (ConfigError, SourceError, PrepareError, AccountingError, FileNotFoundError, GenerationFailed, MissingInputError, ServerError, TokenizeInputError, *EXTRACT_ERRORS, TrainDataError, TrainFailed, TrainInputError)
 
 
 def main(argv: list[str] | None = None) -> int:

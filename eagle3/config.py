@@ -22,7 +22,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -321,21 +321,55 @@ class HiddenStatesConfig(_Strict):
 class TrainConfig(_Strict):
     """Drafter training (stage ``train``)."""
 
-    ttt_steps: int = Field(7, ge=1, description="Training-time-test unroll depth K (EAGLE-3 uses 7).")
-    learning_rate: float = Field(1e-4, gt=0, description="Peak AdamW learning rate (EAGLE-3 recipes use 1e-4 to 5e-5).")
-    epochs: int = Field(2, ge=1, description="Passes over the training split.")
-    batch_tokens: int = Field(16384, gt=0, description="Tokens per optimizer step per process.")
-    nproc_per_node: int = Field(1, ge=1, description="torchrun --nproc-per-node: processes (GPUs) per node.")
+    ttt_steps: int = Field(7, ge=1, description="Training-time-test unroll depth K: drafting steps trained per position, each on the drafter's own previous output (EAGLE-3 uses 7; the tiny demo targets default to 3, the tokens the demo drafts).")
+    step_weight_decay: float = Field(0.8, gt=0, le=1, description="Loss weight of TTT step k is this to the power k (EAGLE-3: 0.8), so early steps, which decide most of the acceptance, weigh most.")
+    learning_rate: float = Field(
+        1e-4, gt=0,
+        description="Peak AdamW learning rate after warmup (EAGLE-3 recipes use 1e-4 to 5e-5 for 8B+ targets; the tiny demo targets default to 3e-3: ~300 samples must teach them in minutes).",
+    )
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="The cosine schedule ends at learning_rate x this.")
+    warmup_fraction: float = Field(0.05, ge=0, lt=1, description="Share of all optimizer steps spent warming the learning rate up linearly.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (EAGLE-3 trains without).")
+    grad_clip: float = Field(0.5, gt=0, description="Gradient-norm clip per optimizer step (EAGLE-3 recipes: 0.5).")
+    epochs: int = Field(2, ge=1, description="Passes over the training split (the tiny demo targets default to 10: their dataset is ~300 samples).")
+    batch_tokens: int = Field(
+        16384, gt=0,
+        description="Padded tokens per micro-batch per process (samples bucketed by length). Global batch = batch_tokens x grad_accum x processes. The tiny demo targets default to 2048 (~20 steps per epoch on the demo data).",
+    )
+    grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step per process.")
+    eval_fraction: float = Field(0.05, gt=0, lt=1, description="Share of samples held out (by a hash of their id, so the split is stable across reruns) for evaluation.")
+    eval_every_steps: int = Field(0, ge=0, description="Evaluate on the held-out split every N optimizer steps; 0: at the end of each epoch.")
+    save_every_steps: int = Field(200, ge=1, description="Write a resumable checkpoint every N optimizer steps (and always at the end).")
+    seed: int = Field(0, description="Seeds initialisation and the data order; a rerun with the same seed repeats the same run.")
+    strategy: Literal["ddp", "fsdp"] = Field("ddp", description="ddp: a full drafter copy per process (small drafters: the usual choice). fsdp: shard parameters and optimizer state across processes.")
+    dtype: Literal["bfloat16", "float32"] = Field("bfloat16", description="Autocast dtype on GPU (master weights stay float32). CPU training runs in float32.")
+    nproc_per_node: int = Field(1, ge=1, description="torchrun --nproc-per-node: processes per node (one per GPU; on CPU, 2 processes already share the cores).")
     nnodes: int = Field(1, ge=1, description="torchrun --nnodes: nodes in the job.")
+    node_rank: int = Field(0, ge=0, description="torchrun --node-rank of this node (multi-node).")
+    rdzv_endpoint: str = Field("127.0.0.1:29531", description="torchrun rendezvous host:port; on multi-node, an address of node 0 every node reaches.")
+    rdzv_id: str = Field("eagle3", description="torchrun rendezvous id shared by the nodes of one job.")
+    timeout_s: float = Field(172800.0, gt=0, description="Deadline for the whole torchrun job (48 h); it is stopped after this and the next run resumes from its last checkpoint.")
+
+
+class EvaluateConfig(_Strict):
+    """Live acceptance in vLLM with the exported drafter (stage ``evaluate``)."""
+
+    num_prompts: int = Field(32, ge=1, description="Held-out prompts sent per temperature.")
+    max_tokens: int = Field(128, ge=1, description="Tokens generated per prompt: enough drafts for stable acceptance counters.")
+    num_speculative_tokens: int = Field(3, ge=1, description="Draft tokens per step in vLLM's --speculative-config (vLLM's EAGLE-3 examples use 3-5).")
+    temperatures: list[float] | None = Field(None, description="Temperatures to measure; default [0, generation.temperature].")
 
 
 class ExportConfig(_Strict):
     """Checkpoint export (stage ``export``)."""
 
     formats: list[Literal["vllm", "sglang", "speculators"]] = Field(
-        default_factory=lambda: ["vllm", "sglang"],
-        description="Checkpoint layouts to write.",
+        default_factory=lambda: ["vllm", "sglang", "speculators"],
+        description="Checkpoint layouts to write: vllm (EAGLE layout, also what SGLang's EAGLE-3 loads with its own config keys: see sglang), sglang, speculators (vLLM loads it by passing the folder as the model).",
     )
+
+
+TINY_TRAIN_DEFAULTS = {"learning_rate": 3e-3, "epochs": 10, "batch_tokens": 2048, "ttt_steps": 3}
 
 
 class PipelineConfig(_Strict):
@@ -349,7 +383,26 @@ class PipelineConfig(_Strict):
     vocab: VocabConfig = Field(default_factory=VocabConfig)
     hidden_states: HiddenStatesConfig = Field(default_factory=HiddenStatesConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tiny_training_defaults(cls, data):
+        """The tiny demo targets learn from ~300 short samples: unless set, train them with more
+        epochs, smaller batches, a higher learning rate and 3 TTT steps (the demo drafts 3 tokens),
+        so `make demo` ends with a drafter that visibly beats an untrained one in a few minutes.
+        Real targets keep the TrainConfig defaults."""
+        if not isinstance(data, dict):
+            return data
+        server = data.get("server") if isinstance(data.get("server"), dict) else {}
+        if str(server.get("model", "tiny:qwen3")).startswith("tiny:"):
+            train = dict(data.get("train") or {}) if isinstance(data.get("train", {}), dict) else data.get("train")
+            if isinstance(train, dict):
+                for key, value in TINY_TRAIN_DEFAULTS.items():
+                    train.setdefault(key, value)
+                data = {**data, "train": train}
+        return data
 
 
 def section_hash(section: BaseModel) -> str:

@@ -15,11 +15,12 @@ from flows.extract import extract_flow
 from flows.generate import generate_flow
 from flows.prepare import prepare_flow
 from flows.tokenize import tokenize_flow, vocab_flow
+from flows.train import train_flow
 
 # Stages in pipeline order; the ones not listed in BUILT are not available yet.
 STAGES = ("prepare", "generate", "tokenize", "vocab", "extract", "train", "evaluate", "export")
-BUILT = ("prepare", "generate", "tokenize", "vocab", "extract")
-FLOWS = {"prepare": prepare_flow, "generate": generate_flow, "tokenize": tokenize_flow, "vocab": vocab_flow, "extract": extract_flow}
+BUILT = ("prepare", "generate", "tokenize", "vocab", "extract", "train")
+FLOWS = {"prepare": prepare_flow, "generate": generate_flow, "tokenize": tokenize_flow, "vocab": vocab_flow, "extract": extract_flow, "train": train_flow}
 
 
 def run_name() -> str:
@@ -37,4 +38,5 @@ async def pipeline_flow(config: PipelineConfig = PipelineConfig()) -> dict:
     results["tokenize"] = tokenize_flow(config)
     results["vocab"] = vocab_flow(config)
     results["extract"] = extract_flow(config)
+    results["train"] = train_flow(config)
     return results

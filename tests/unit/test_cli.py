@@ -77,7 +77,7 @@ def test_bad_source_is_one_clear_message(tmp_path):
 
 
 def test_stage_not_built_yet_says_so():
-    result = run("train")
+    result = run("evaluate")
     assert result.returncode == 2
     assert "not built yet" in result.stderr and "prepare" in result.stderr
 

@@ -1,0 +1,138 @@
+"""Stage ``train``: launch torchrun over the drafter's training and account for it.
+
+The Prefect task calls ``run_train``: it checks the inputs (tokenized shards, the draft
+vocabulary, stored states or online settings, layer ids the extraction used), writes the request
+file, starts ``torchrun`` as a subprocess in its own process group under
+``train.timeout_s`` (gloo on CPU, nccl on GPU: the worker picks), streams every output line to
+the logger, and records the manifest entry from ``train/result.json``. A rerun resumes from
+``checkpoints/latest.json``; a run that already reached its last step is not started again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from eagle3.config import PipelineConfig, section_hash
+from eagle3.durable import atomic_write_json, read_json
+
+
+class TrainInputError(RuntimeError):
+    """Training inputs missing or inconsistent with each other."""
+
+
+class TrainDataError(ValueError):
+    """Training inputs that do not line up (names the file and what differs)."""
+
+
+class TrainFailed(RuntimeError):
+    """torchrun exited with an error or ran past its deadline."""
+
+
+def layer_ids_for(config: PipelineConfig) -> list[int]:
+    """The layer ids extraction used (the manifest), checked against the config."""
+    from eagle3.manifest import read_manifest
+
+    entry = read_manifest(config.run_dir).get("stages", {}).get("extract")
+    if not entry:
+        raise TrainInputError(f"{config.run_dir}/manifest.json has no extract stage: run `eagle3 extract` first")
+    if config.hidden_states.layer_ids and list(config.hidden_states.layer_ids) != entry["layer_ids"]:
+        raise TrainInputError(f"hidden_states.layer_ids {config.hidden_states.layer_ids} differ from the {entry['layer_ids']} the extract stage used: run `eagle3 extract` again")
+    if entry.get("mode") != config.hidden_states.mode:
+        raise TrainInputError(f"hidden_states.mode is {config.hidden_states.mode!r} but the extract stage ran in {entry.get('mode')!r} mode: run `eagle3 extract` again")
+    return list(entry["layer_ids"])
+
+
+def torchrun_argv(config: PipelineConfig, request: Path) -> list[str]:
+    t = config.train
+    argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={t.nproc_per_node}", f"--nnodes={t.nnodes}"]
+    if t.nnodes > 1:
+        argv += [f"--node-rank={t.node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={t.rdzv_endpoint}", f"--rdzv-id={t.rdzv_id}"]
+    else:
+        host, _, port = t.rdzv_endpoint.rpartition(":")
+        argv += ["--standalone"] if not port else [f"--master-addr={host or '127.0.0.1'}", f"--master-port={port}"]
+    return argv + ["-m", "eagle3.train.worker", str(request)]
+
+
+def run_train(config: PipelineConfig, shards: list[str], logger=None) -> dict:
+    from eagle3.models import resolve_model
+
+    log = logger or logging.getLogger(__name__)
+    run = Path(config.run_dir)
+    vocab = run / "vocab" / "draft_vocab.safetensors"
+    if not vocab.exists():
+        raise TrainInputError(f"{vocab} not found: run `eagle3 vocab` first")
+    layer_ids = layer_ids_for(config)
+    out = run / "train"
+    out.mkdir(parents=True, exist_ok=True)
+    request = out / "request.json"
+    result_path = out / "result.json"
+    result_path.unlink(missing_ok=True)
+    atomic_write_json(request, {"config": json.loads(config.model_dump_json()), "shards": shards, "model_path": resolve_model(config.server.model),
+                                "layer_ids": layer_ids, "result_path": str(result_path)})
+    argv = torchrun_argv(config, request)
+    log.info("train: %s", " ".join(argv))
+    started = time.monotonic()
+    threads = max(1, (os.cpu_count() or 1) // config.train.nproc_per_node)  # one process per core share, not oversubscribed
+    _run_streamed(argv, config.train.timeout_s, log, cwd=Path(__file__).resolve().parents[2], threads=threads)
+    result = read_json(result_path)
+    return record(config, result, layer_ids, time.monotonic() - started)
+
+
+def _run_streamed(argv: list[str], timeout_s: float, log, cwd: Path, threads: int) -> None:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd, start_new_session=True)
+    tail: list[str] = []
+
+    def pump() -> None:
+        for line in proc.stdout:
+            line = line.rstrip()
+            tail.append(line)
+            del tail[:-40]
+            log.info("%s", line)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        code = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        raise TrainFailed(f"torchrun ran past train.timeout_s={timeout_s:.0f} s and was stopped; rerun to resume from the last checkpoint") from None
+    except BaseException:
+        _kill_group(proc)
+        raise
+    finally:
+        reader.join(timeout=10)
+    if code != 0:
+        raise TrainFailed(f"torchrun exited with code {code}; last lines:\n" + "\n".join(tail[-20:]))
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def record(config: PipelineConfig, result: dict, layer_ids: list[int], seconds: float) -> dict:
+    from eagle3.manifest import StageCounts, record_stage, versions
+
+    steps = int(result["steps"])
+    return record_stage(
+        config.run_dir, "train", StageCounts(steps, steps), status="ok", counted="optimizer steps", total_steps=result["total_steps"],
+        best=result["best"], tokens=result["tokens"], seconds=round(seconds, 1), world_size=result["world_size"], layer_ids=layer_ids,
+        checkpoints=str(Path(config.run_dir) / "checkpoints"), config_hash=section_hash(config.train), versions=versions("torch"),
+    )

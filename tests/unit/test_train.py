@@ -1,0 +1,228 @@
+"""The drafter and its training: TTT attention against step-by-step serving, the loss against a
+direct computation, DDP against one process, resume against an uninterrupted run (by killing it)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import ROOT
+
+from eagle3.drafter.model import DrafterConfig, Eagle3Drafter
+from eagle3.train.loss import target_view, ttt_loss
+
+SMALL = DrafterConfig(arch="qwen3", hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256, vocab_size=50, draft_vocab_size=50,
+                      target_hidden_size=32, aux_layer_ids=[1, 2, 3])
+
+
+def small_model(arch="qwen3", seed=0) -> Eagle3Drafter:
+    torch.manual_seed(seed)
+    model = Eagle3Drafter(DrafterConfig(**{**SMALL.__dict__, "arch": arch}))
+    with torch.no_grad():  # random norms too, so a misplaced norm cannot hide
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+def serve_reference(model: Eagle3Drafter, ids: torch.Tensor, aux: torch.Tensor, t: int, steps: int) -> list[torch.Tensor]:
+    """What a serving engine computes when drafting ``steps`` tokens after position t: a cache
+    of step-0 entries for positions 0..t, then one new entry per drafted token at positions t+1,
+    t+2, ..., each attending to everything in the cache so far. Plain loops, no masks."""
+    layer, attn, c = model.midlayer, model.midlayer.self_attn, model.config
+    keys, values = [], []
+    hidden = model.fc(aux[: t + 1])
+    x, residual = layer.attn_input(model.embed_tokens(ids[1: t + 2]), hidden)
+    q, k, v = attn.qkv(x[None], torch.arange(t + 1))
+    outs = []
+    for s in range(t + 1):  # the prefix (step 0 at every position up to t)
+        keys.append(k[0, :, s]), values.append(v[0, :, s])
+    def attend(query):
+        K, V = torch.stack(keys, 1), torch.stack(values, 1)  # [h, n, d]
+        w = torch.softmax((query[:, None, :] * K).sum(-1) / c.head_dim ** 0.5, dim=-1)
+        return (w[..., None] * V).sum(1)
+    o = attn.o_proj(attend(q[0, :, t]).reshape(-1))
+    h = layer.after_attention(o, residual[t])
+    outs.append(model.lm_head(model.norm(h)))
+    for step in range(1, steps):
+        x, residual = layer.attn_input(model.embed_tokens(ids[t + 1 + step: t + 2 + step]), h[None])
+        q, k, v = attn.qkv(x[None], torch.tensor([t + step]))
+        keys.append(k[0, :, 0]), values.append(v[0, :, 0])
+        o = attn.o_proj(attend(q[0, :, 0]).reshape(-1))
+        h = layer.after_attention(o, residual[0])
+        outs.append(model.lm_head(model.norm(h)))
+    return outs
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_ttt_steps_equal_step_by_step_drafting(arch):
+    model = small_model(arch)
+    T, K = 12, 4
+    ids = torch.randint(0, 50, (2, T))
+    aux = torch.randn(2, T, 3 * 32)
+    valid = torch.ones(2, T, dtype=torch.bool)
+    valid[1, 9:] = False  # the second row is padded after 9 tokens
+    with torch.no_grad():
+        logits = model.ttt_logits(ids, aux, valid, K)
+        assert len(logits) == K and all(x.shape == (2, T, 50) for x in logits)
+        for b, t in ((0, 0), (0, 5), (0, 7), (1, 3), (1, 4)):  # t + K + 1 stays inside row b's real tokens
+            ref = serve_reference(model, ids[b], aux[b], t, K)
+            for k in range(K):
+                torch.testing.assert_close(logits[k][b, t], ref[k], rtol=1e-4, atol=1e-4, msg=lambda m: f"step {k} position {t}: {m}")
+
+
+def test_ttt_never_reads_the_future():
+    model = small_model()
+    T, K = 10, 3
+    ids, aux, valid = torch.randint(0, 50, (1, T)), torch.randn(1, T, 96), torch.ones(1, T, dtype=torch.bool)
+    with torch.no_grad():
+        base = model.ttt_logits(ids, aux, valid, K)
+        aux2 = aux.clone()
+        aux2[0, 6] += 1.0
+        moved = model.ttt_logits(ids, aux2, valid, K)
+    for k in range(K):
+        assert torch.equal(base[k][0, :6], moved[k][0, :6]), "positions before 6 must not see aux[6]"
+        assert not torch.allclose(base[k][0, 6], moved[k][0, 6])
+
+
+def test_loss_equals_a_direct_computation():
+    model = small_model()
+    T, K, D = 9, 3, 50
+    ids, aux = torch.randint(0, 50, (2, T)), torch.randn(2, T, 96)
+    valid = torch.ones(2, T, dtype=torch.bool)
+    mask = torch.zeros(2, T, dtype=torch.long)
+    mask[:, 4:] = 1
+    target_logits = torch.randn(2, T, 50) * 3
+    t2d = torch.ones(50, dtype=torch.bool)
+    t2d[target_logits[0, 5].argmax()] = False  # one position's target top-1 outside the draft vocab
+    d2t = torch.zeros(D, dtype=torch.long)
+    with torch.no_grad():
+        logits = model.ttt_logits(ids, aux, valid, K)
+    counts = [int(mask[:, 2 + k:].sum()) for k in range(K)]
+    loss, stats = ttt_loss(logits, target_view(target_logits, d2t, t2d), mask, d2t, 0.8, counts)
+    expected = 0.0
+    for k in range(K):
+        total = 0.0
+        for b in range(2):
+            for t in range(T):
+                src = t + 1 + k  # the target position whose distribution step k at t learns
+                if t + 2 + k >= T or mask[b, t + 2 + k] == 0 or not t2d[target_logits[b, src].argmax()]:
+                    continue
+                p = torch.softmax(target_logits[b, src], -1)
+                total += float(-(p * F.log_softmax(logits[k][b, t], -1)).sum())
+        expected += 0.8 ** k * total / counts[k]
+    assert abs(float(loss) - expected) < 1e-4 * max(1.0, expected)
+    assert stats["positions"][0] == counts[0] and stats["counted"][0] < stats["positions"][0] + 1
+
+
+# --- training runs on a small run directory ----------------------------------------------------
+
+def make_train_run(tmp_path: Path, *sets: str):
+    from hidden_runs import make_run
+    from safetensors.numpy import save_file
+
+    from eagle3.hidden.stage import extract_shard, plan, record
+
+    lengths = tuple(range(20, 60, 3))  # 14 samples per shard
+    config, names = make_run(tmp_path, (lengths, lengths[::-1]), "train.batch_tokens=120", "train.ttt_steps=3", "train.eval_fraction=0.15",
+                             "train.epochs=2", "train.learning_rate=3e-3", "train.save_every_steps=2", *sets)
+    the_plan = plan(config, names)
+    record(config, [extract_shard(config, s, the_plan) for s in names], the_plan)
+    vocab = Path(config.run_dir) / "vocab"
+    vocab.mkdir()
+    save_file({"d2t": np.zeros(4096, dtype=np.int64), "t2d": np.ones(4096, dtype=bool)}, str(vocab / "draft_vocab.safetensors"))
+    return config, names
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def torchrun(config, names, nproc: int, env_extra=None, background=False):
+    from eagle3.durable import atomic_write_json
+    from eagle3.models import resolve_model
+    from eagle3.train.stage import torchrun_argv
+
+    run = Path(config.run_dir)
+    request = run / "train" / "request.json"
+    atomic_write_json(request, {"config": json.loads(config.model_dump_json()), "shards": names, "model_path": resolve_model(config.server.model),
+                                "layer_ids": [1, 2, 3], "result_path": str(run / "train" / "result.json")})
+    port = 29600 + os.getpid() % 300 + nproc
+    patched = config.model_copy(update={"train": config.train.model_copy(update={"nproc_per_node": nproc, "rdzv_endpoint": f"127.0.0.1:{port}"})})
+    argv = torchrun_argv(patched, request)
+    argv[0] = sys.executable
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    if background:
+        return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    out = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+def weights(run: Path) -> dict:
+    from safetensors.torch import load_file
+
+    latest = json.loads((run / "checkpoints" / "latest.json").read_text())
+    return load_file(str(Path(latest["path"]) / "model.safetensors"))
+
+
+def test_two_process_ddp_matches_one_process_at_the_same_global_batch(tmp_path):
+    one, names = make_train_run(tmp_path / "one", "train.grad_accum=2")
+    two, _ = make_train_run(tmp_path / "two", "train.grad_accum=1")
+    torchrun(one, names, nproc=1)
+    out = torchrun(two, names, nproc=2)
+    assert "[rank 1]" in out.stdout, "two processes ran"
+    a, b = lines(Path(one.run_dir) / "train" / "log.jsonl"), lines(Path(two.run_dir) / "train" / "log.jsonl")
+    assert [x["step"] for x in a] == [x["step"] for x in b] and len(a) >= 4
+    for x, y in zip(a, b):
+        assert abs(x["loss"] - y["loss"]) < 1e-4 * max(1, x["loss"]) and x["tokens"] == y["tokens"]
+    wa, wb = weights(Path(one.run_dir)), weights(Path(two.run_dir))
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_killed_run_resumes_to_the_uninterrupted_loss_curve(tmp_path):
+    whole, names = make_train_run(tmp_path / "whole")
+    torchrun(whole, names, nproc=1)
+    reference = lines(Path(whole.run_dir) / "train" / "log.jsonl")
+
+    killed, _ = make_train_run(tmp_path / "killed")
+    log = Path(killed.run_dir) / "train" / "log.jsonl"
+    proc = torchrun(killed, names, nproc=1, background=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 5):
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)  # mid-run, between checkpoints (every 2 steps)
+    proc.wait()
+    assert len(lines(log)) < len(reference), "the kill came before the end"
+    torchrun(killed, names, nproc=1)
+    resumed = lines(log)
+    assert [x["step"] for x in resumed] == [x["step"] for x in reference], "no step lost, none duplicated"
+    for x, y in zip(reference, resumed):
+        assert abs(x["loss"] - y["loss"]) < 1e-6 * max(1, x["loss"]), (x, y)
+    wa, wb = weights(Path(whole.run_dir)), weights(Path(killed.run_dir))
+    assert all(torch.equal(wa[n], wb[n]) for n in wa)
+
+
+def test_training_beats_the_untrained_drafter_on_held_out_data_and_picks_the_best(tmp_path):
+    from eagle3.models import resolve_model
+    from eagle3.train.trainer import Dist, Trainer
+
+    config, names = make_train_run(tmp_path, "train.epochs=3")
+    trainer = Trainer(config, names, resolve_model("tiny:qwen3"), [1, 2, 3], Dist(), log=lambda m: None)
+    before = trainer.evaluate()
+    result = trainer.train()
+    evals = lines(Path(config.run_dir) / "train" / "eval.jsonl")
+    assert len(evals) == 3 and result["steps"] == trainer.total_steps
+    assert evals[-1]["loss_per_step"][0] < before["loss_per_step"][0]
+    best = json.loads((Path(config.run_dir) / "checkpoints" / "best.json").read_text())
+    assert best["acceptance_length"] == max(e["acceptance_length"] for e in evals)
+    assert Path(best["path"]).name == f"step-{best['step']:06d}" and (Path(best["path"]) / "model.safetensors").exists()
