@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-STAGE_COMMANDS = ("prepare", "generate", "tokenize", "vocab", "extract", "train", "evaluate", "export")
+STAGE_COMMANDS = ("prepare", "generate", "tokenize", "vocab", "extract", "train", "export", "evaluate")
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -110,6 +110,14 @@ def _summary(config, results: dict) -> str:
         t = results["train"]
         best = t.get("best") or {}
         lines.append(f"drafter:      {run / 'checkpoints'}  (best: step {best.get('step')}, held-out acceptance length {best.get('acceptance_length', 0):.3f}; curves: {run / 'train' / 'curves.png'})")
+    if "export" in results:
+        e = results["export"]
+        lines.append(f"export:       {run / 'export'}  ({', '.join(sorted((e.get('paths') or {}).keys())) or 'see the manifest'})")
+    if "evaluate" in results:
+        ev = results["evaluate"]
+        live = ", ".join(f"T={t}: {v:.3f}" for t, v in (ev.get("mean_acceptance_length") or {}).items() if v is not None)
+        base = ", ".join(f"T={t}: {v:.3f}" for t, v in (ev.get("untrained_mean_acceptance_length") or {}).items() if v is not None)
+        lines.append(f"live acceptance length (vLLM): {live}" + (f"; untrained drafter {base}" if base else "") + f"  ({run / 'evaluate' / 'live.json'})")
     lines.append(f"manifest:     {run / 'manifest.json'}")
     return "\n".join(lines)
 
@@ -164,9 +172,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from eagle3.serving.managed import ServerError
     from eagle3.hidden.errors import USER_ERRORS as EXTRACT_ERRORS
     from eagle3.tokenize.stage import TokenizeInputError
+    from eagle3.evaluate.live import EvaluationFailed, MissingInput
+    from eagle3.export.layouts import ExportError
     from eagle3.train.stage import TrainDataError, TrainFailed, TrainInputError
 
-    return (ConfigError, SourceError, PrepareError, AccountingError, FileNotFoundError, GenerationFailed, MissingInputError, ServerError, TokenizeInputError, *EXTRACT_ERRORS, TrainDataError, TrainFailed, TrainInputError)
+    return (ConfigError, SourceError, PrepareError, AccountingError, FileNotFoundError, GenerationFailed, MissingInputError, ServerError, TokenizeInputError, *EXTRACT_ERRORS, TrainDataError, TrainFailed, TrainInputError, ExportError, MissingInput, EvaluationFailed)
 
 
 def main(argv: list[str] | None = None) -> int:

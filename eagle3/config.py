@@ -354,10 +354,18 @@ class TrainConfig(_Strict):
 class EvaluateConfig(_Strict):
     """Live acceptance in vLLM with the exported drafter (stage ``evaluate``)."""
 
-    num_prompts: int = Field(32, ge=1, description="Held-out prompts sent per temperature.")
+    num_prompts: int = Field(16, ge=1, description="Held-out prompts sent per temperature (x max_tokens 128: ~2000 tokens, enough for stable counters; the demo holds out 20). When fewer are held out, training prompts top it up and the report says so.")
     max_tokens: int = Field(128, ge=1, description="Tokens generated per prompt: enough drafts for stable acceptance counters.")
     num_speculative_tokens: int = Field(3, ge=1, description="Draft tokens per step in vLLM's --speculative-config (vLLM's EAGLE-3 examples use 3-5).")
     temperatures: list[float] | None = Field(None, description="Temperatures to measure; default [0, generation.temperature].")
+    compare_untrained: bool = Field(
+        True,
+        description=(
+            "Also serve an untrained drafter (same draft vocabulary and layers, random layer weights) and measure it at "
+            "temperature 0, so the report shows what training bought. Costs one more server start (30-60 s on CPU, "
+            "minutes for a large GPU target): turn off once the pipeline is trusted."
+        ),
+    )
 
 
 class ExportConfig(_Strict):

@@ -11,6 +11,8 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from eagle3.config import PipelineConfig
+from flows.evaluate import evaluate_flow
+from flows.export import export_flow
 from flows.extract import extract_flow
 from flows.generate import generate_flow
 from flows.prepare import prepare_flow
@@ -18,9 +20,9 @@ from flows.tokenize import tokenize_flow, vocab_flow
 from flows.train import train_flow
 
 # Stages in pipeline order; the ones not listed in BUILT are not available yet.
-STAGES = ("prepare", "generate", "tokenize", "vocab", "extract", "train", "evaluate", "export")
-BUILT = ("prepare", "generate", "tokenize", "vocab", "extract", "train")
-FLOWS = {"prepare": prepare_flow, "generate": generate_flow, "tokenize": tokenize_flow, "vocab": vocab_flow, "extract": extract_flow, "train": train_flow}
+STAGES = ("prepare", "generate", "tokenize", "vocab", "extract", "train", "export", "evaluate")
+BUILT = STAGES
+FLOWS = {"prepare": prepare_flow, "generate": generate_flow, "tokenize": tokenize_flow, "vocab": vocab_flow, "extract": extract_flow, "train": train_flow, "export": export_flow, "evaluate": evaluate_flow}
 
 
 def run_name() -> str:
@@ -31,7 +33,7 @@ def run_name() -> str:
     return f"{short}-{datetime.datetime.now(datetime.timezone.utc):%Y%m%d-%H%M}"
 
 
-@flow(name="eagle3-pipeline", flow_run_name=run_name, description="Prompts to a trained EAGLE-3 drafter (the stages built so far).")
+@flow(name="eagle3-pipeline", flow_run_name=run_name, description="Prompts to a trained, exported and live-evaluated EAGLE-3 drafter.")
 async def pipeline_flow(config: PipelineConfig = PipelineConfig()) -> dict:
     results = {"prepare": prepare_flow(config)}
     results["generate"] = await generate_flow(config)
@@ -39,4 +41,6 @@ async def pipeline_flow(config: PipelineConfig = PipelineConfig()) -> dict:
     results["vocab"] = vocab_flow(config)
     results["extract"] = extract_flow(config)
     results["train"] = train_flow(config)
+    results["export"] = export_flow(config)
+    results["evaluate"] = evaluate_flow(config)
     return results

@@ -106,8 +106,8 @@ class Trainer:
         self.batches = micro_batches(self.data.train, self.tc.batch_tokens)
         self.steps_per_epoch = math.ceil(len(self.batches) / (self.dist.world * self.tc.grad_accum))
         self.total_steps = self.steps_per_epoch * self.tc.epochs
-        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.wrapped = self._wrap()
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]  # after wrapping: FSDP swaps in sharded parameters
         self.optimizer = torch.optim.AdamW(self.trainable, lr=self.tc.learning_rate, betas=(0.9, 0.95), weight_decay=self.tc.weight_decay)
         self.step, self.best, self.tokens_global = 0, None, 0
         self.ckpt_dir = self.run / "checkpoints"

@@ -40,7 +40,8 @@ def test_pipeline_flow_generates_with_real_vllm(prefect_server, demo_config):
 
     from flows.pipeline import pipeline_flow
 
-    config = demo_config("data.limit=24", "data.num_shards=2", f'server.python="{VLLM_PYTHON}"')
+    config = demo_config("data.limit=24", "data.num_shards=2", f'server.python="{VLLM_PYTHON}"', "evaluate.compare_untrained=false",
+                         "evaluate.num_prompts=4", "evaluate.max_tokens=32", "train.epochs=2")
     state = asyncio.run(pipeline_flow(config, return_state=True))
     assert state.is_completed(), state
     assert not vllm_processes(), "the managed server must be gone after the flow"
@@ -73,6 +74,11 @@ def test_pipeline_flow_generates_with_real_vllm(prefect_server, demo_config):
         tokenized = pq.read_table(f, columns=["num_tokens"]).column("num_tokens").to_pylist()
         states = ShardStates(run / "hidden_states" / f"{f.stem}.safetensors")
         assert len(states) == len(tokenized) and np.diff(states.offsets).tolist() == tokenized, "one state row per token, per sample"
+    assert manifest["train"]["ok"] == manifest["train"]["total_steps"] > 0 and (run / "checkpoints" / "best.json").exists()
+    assert (run / "export" / "vllm" / "config.json").exists() and (run / "export" / "speculators" / "config.json").exists()
+    live = json.loads((run / "evaluate" / "live.json").read_text())
+    assert [r["temperature"] for r in live["temperatures"]] == [0.0, config.generation.temperature]
+    assert all(r["requests_ok"] == 4 and r["drafts"] > 0 for r in live["temperatures"]), "vLLM served the exported drafter and drafted"
     log = (run / "generations" / "server.log").read_text()
     assert "Application startup complete" in log or "Uvicorn running" in log or "Started server process" in log
 
@@ -80,7 +86,7 @@ def test_pipeline_flow_generates_with_real_vllm(prefect_server, demo_config):
         parent = client.read_flow_run(state.state_details.flow_run_id)
         assert re.fullmatch(r"tiny-qwen3-\d{8}-\d{4}", parent.name), parent.name
         children = children_of(client, parent.id)
-        assert set(children) == {"eagle3-prepare", "eagle3-generate", "eagle3-tokenize", "eagle3-vocab", "eagle3-extract"}
+        assert set(children) == {"eagle3-prepare", "eagle3-generate", "eagle3-tokenize", "eagle3-vocab", "eagle3-extract", "eagle3-train", "eagle3-export", "eagle3-evaluate"}
         names = sorted(t.name.rsplit("-", 1)[0] for t in task_runs_of(client, children["eagle3-generate"].id))
         assert names == ["generate-shard-00000", "generate-shard-00001", "generate-summary"]
         assert client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["generate-errors"])))
@@ -166,21 +172,31 @@ def test_too_many_failures_fail_the_flow_loudly(prefect_server, demo_config, tmp
 
 
 @needs_vllm
+@pytest.mark.timeout(1600)
 def test_eagle3_run_end_to_end_from_the_cli(tmp_path):
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}
     env.pop("PREFECT_API_URL", None)
+    # The whole demo (302 prompts), as `make demo` runs it: the drafter must learn enough to beat an untrained one live.
     result = subprocess.run(
-        [PYTHON, "-m", "eagle3.cli", "run", "--set", f'run_dir="{tmp_path / "run"}"', "--set", "data.limit=16",
-         "--set", f'server.python="{VLLM_PYTHON}"'],
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600,
+        [PYTHON, "-m", "eagle3.cli", "run", "--set", f'run_dir="{tmp_path / "run"}"', "--set", f'server.python="{VLLM_PYTHON}"'],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=1500,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    table = {line.split()[0]: line.split()[1:6] for line in result.stdout.splitlines() if line.startswith(("prepare ", "generate ", "tokenize ", "vocab ", "extract "))}
-    assert table["prepare"][:2] == ["ok", "16"] and table["generate"][0] == "ok"
+    table = {line.split()[0]: line.split()[1:6] for line in result.stdout.splitlines()
+             if line.startswith(("prepare ", "generate ", "tokenize ", "vocab ", "extract ", "train ", "export ", "evaluate "))}
+    assert table["prepare"][:2] == ["ok", "313"] and table["generate"][0] == "ok"
     assert table["generate"][1] == table["prepare"][2], "every prepared prompt goes into generation"
     assert table["tokenize"][0] == "ok" and table["tokenize"][1] == table["generate"][2], "every sample is tokenized"
     assert table["vocab"][0] == "ok"
     assert table["extract"][0] == "ok" and table["extract"][2] == table["tokenize"][2], "every tokenized sample gets its states"
     assert f"hidden states: {tmp_path / 'run' / 'hidden_states'}" in result.stdout
+    assert table["train"][0] == "ok" and table["export"][0] == "ok" and table["evaluate"][0] == "ok"
+    live = json.loads((tmp_path / "run" / "evaluate" / "live.json").read_text())
+    trained = live["temperatures"][0]
+    untrained = live["untrained"]["temperatures"][0]
+    assert trained["temperature"] == untrained["temperature"] == 0.0
+    print(f"live acceptance length at T=0: trained {trained['mean_acceptance_length']}, untrained {untrained['mean_acceptance_length']}")
+    assert trained["mean_acceptance_length"] >= untrained["mean_acceptance_length"] + 0.1, (trained, untrained)
+    assert trained["accepted_tokens"] > 2 * max(untrained["accepted_tokens"], 1)
     assert f"manifest:     {tmp_path / 'run' / 'manifest.json'}" in result.stdout
     assert not vllm_processes()

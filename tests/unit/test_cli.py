@@ -76,12 +76,6 @@ def test_bad_source_is_one_clear_message(tmp_path):
     assert "data.source './missing.jsonl': no such file or folder" in result.stderr
 
 
-def test_stage_not_built_yet_says_so():
-    result = run("evaluate")
-    assert result.returncode == 2
-    assert "not built yet" in result.stderr and "prepare" in result.stderr
-
-
 def test_status_reads_the_manifest(tmp_path):
     from eagle3.config import load_config
     from eagle3.prepare.stage import run_prepare

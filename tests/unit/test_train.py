@@ -174,9 +174,10 @@ def weights(run: Path) -> dict:
     return load_file(str(Path(latest["path"]) / "model.safetensors"))
 
 
-def test_two_process_ddp_matches_one_process_at_the_same_global_batch(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_processes_match_one_process_at_the_same_global_batch(tmp_path, strategy):
     one, names = make_train_run(tmp_path / "one", "train.grad_accum=2")
-    two, _ = make_train_run(tmp_path / "two", "train.grad_accum=1")
+    two, _ = make_train_run(tmp_path / "two", "train.grad_accum=1", f'train.strategy="{strategy}"')
     torchrun(one, names, nproc=1)
     out = torchrun(two, names, nproc=2)
     assert "[rank 1]" in out.stdout, "two processes ran"

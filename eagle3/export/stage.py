@@ -1,0 +1,121 @@
+"""Stage ``export``: the chosen checkpoint, written in every configured layout and checked.
+
+- The checkpoint is ``RUN/checkpoints/best.json``'s (the best held-out acceptance), else the
+  highest ``step-N`` folder; a best.json naming a folder that is gone is an error, not a silent
+  fallback to another checkpoint.
+- A layout that cannot hold this drafter (SGLang's Llama-only EAGLE-3 layer for a Qwen3-style
+  drafter, see layouts.py) is skipped with its reason and counted as ``filtered``; any other
+  problem fails the stage.
+- Disk decides what is done: a layout folder whose ``export_info.json`` names the same
+  checkpoint bytes and settings, and that still validates, is kept as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+from eagle3.config import PipelineConfig, section_hash
+from eagle3.durable import read_json
+from eagle3.export.layouts import (
+    CKPT_CONFIG, EXPORT_VERSION, INFO, WEIGHTS, ExportError, export_checkpoint, read_target_config, source_fingerprint,
+    text_config, unsupported_reasons, validate_export,
+)
+from eagle3.manifest import StageCounts, record_stage, versions
+
+STAGE = "export"
+_STEP = re.compile(r"step-(\d+)")
+
+
+class MissingCheckpoint(ExportError):
+    """No drafter checkpoint to export: the train stage has not written one."""
+
+
+class InvalidExport(ExportError):
+    """An exported folder failed validation."""
+
+
+def out_root(config: PipelineConfig) -> Path:
+    return Path(config.run_dir) / "export"
+
+
+def find_checkpoint(run_dir: str | Path) -> tuple[Path, int | None, str]:
+    """(checkpoint folder, step, how it was chosen)."""
+    folder = Path(run_dir) / "checkpoints"
+    best = folder / "best.json"
+    if best.exists():
+        entry = read_json(best)
+        path = Path(entry["path"])
+        path = path if path.is_absolute() else folder / path
+        if not ((path / WEIGHTS).exists() and (path / CKPT_CONFIG).exists()):
+            raise MissingCheckpoint(f"{best} names {path}, which lacks {WEIGHTS} or {CKPT_CONFIG}")
+        return path, entry.get("step"), "best.json"
+    steps = []
+    for path in folder.glob("step-*") if folder.is_dir() else []:
+        match = _STEP.fullmatch(path.name)
+        if match and (path / WEIGHTS).exists() and (path / CKPT_CONFIG).exists():
+            steps.append((int(match.group(1)), path))
+    if not steps:
+        raise MissingCheckpoint(f"no drafter checkpoint in {folder} (no best.json, no step-N folder holding {WEIGHTS} "
+                                f"and {CKPT_CONFIG}): run the train stage first")
+    step, path = max(steps)
+    return path, step, "highest step"
+
+
+def _up_to_date(folder: Path, layout: str, fingerprint: dict, num_tokens: int, target: str) -> bool:
+    info_path = folder / INFO
+    if not info_path.exists():
+        return False
+    try:
+        info = read_json(info_path)
+    except ValueError:
+        return False
+    same = (info.get("export_version") == EXPORT_VERSION and info.get("source_sha256") == fingerprint
+            and info.get("num_speculative_tokens") == num_tokens and info.get("target") == target)
+    return same and not validate_export(folder, layout, target)
+
+
+def run_export(config: PipelineConfig, logger=None) -> dict:
+    """Export the run's checkpoint in ``export.formats`` under RUN/export/; the manifest entry plus paths."""
+    from eagle3.drafter.model import DrafterConfig
+    from eagle3.models import resolve_model
+
+    log = logger or logging.getLogger(__name__)
+    formats = list(dict.fromkeys(config.export.formats))
+    ckpt, step, chosen = find_checkpoint(config.run_dir)
+    target = resolve_model(config.server.model)
+    num_tokens = config.evaluate.num_speculative_tokens
+    drafter = DrafterConfig.load(ckpt / CKPT_CONFIG)
+    layers = int(text_config(read_target_config(target))["num_hidden_layers"])
+    skipped = {f: r for f in formats if (r := unsupported_reasons(f, drafter, layers))}
+    for layout, reasons in skipped.items():
+        log.warning("export: skipping the %s layout: %s", layout, "; ".join(reasons))
+    wanted = [f for f in formats if f not in skipped]
+    root = out_root(config)
+    fingerprint = source_fingerprint(ckpt)
+    reused = [f for f in wanted if _up_to_date(root / f, f, fingerprint, num_tokens, target)]
+    todo = [f for f in wanted if f not in reused]
+    if todo:
+        log.info("export: %s (step %s, chosen by %s) -> %s as %s", ckpt, step, chosen, root, todo)
+        export_checkpoint(ckpt, target, root, todo, num_speculative_tokens=num_tokens)
+    if reused:
+        log.info("export: %s already exported from these checkpoint bytes, kept", reused)
+    problems = {f: p for f in wanted if (p := validate_export(root / f, f, target))}
+    lines = "\n".join(f"  {f}: {p}" for f, ps in problems.items() for p in ps)
+    error = (f"export of {ckpt} failed validation:\n{lines}" if problems
+             else None if wanted else f"export: none of {formats} can hold this drafter: {skipped}")
+    paths = {f: str(root / f) for f in wanted if f not in problems}
+    reasons = {**{f"unsupported_layout:{f}": 1 for f in skipped}, **{f"invalid:{f}": 1 for f in problems}}
+    counts = StageCounts(len(formats), len(paths), len(problems), len(skipped), reasons)
+    entry = record_stage(
+        config.run_dir, STAGE, counts, status="failed" if error else "ok", error=error, checkpoint=str(ckpt), step=step,
+        chosen_by=chosen, target=target, paths=paths, reused=reused, skipped=skipped, problems=problems,
+        config_hash=section_hash(config.export), versions=versions("torch", "safetensors"),
+    )
+    if problems:
+        raise InvalidExport(error)
+    if error:
+        raise ExportError(error)
+    return {**entry, "paths": paths}
+
