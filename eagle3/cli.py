@@ -119,6 +119,8 @@ def _summary(config, results: dict) -> str:
         base = ", ".join(f"T={t}: {v:.3f}" for t, v in (ev.get("untrained_mean_acceptance_length") or {}).items() if v is not None)
         lines.append(f"live acceptance length (vLLM): {live}" + (f"; untrained drafter {base}" if base else "") + f"  ({run / 'evaluate' / 'live.json'})")
     lines.append(f"manifest:     {run / 'manifest.json'}")
+    if "report" in results:
+        lines.append(f"report:       {results['report']}  (also the pipeline-report artifact in the Prefect UI)")
     return "\n".join(lines)
 
 

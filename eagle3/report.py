@@ -32,3 +32,84 @@ def status_table(run_dir: str | Path) -> str:
     fmt = lambda r: "  ".join(r[c].ljust(widths[c]) for c in COLUMNS).rstrip()  # noqa: E731
     lines = [f"run: {run_dir}", fmt({c: c for c in COLUMNS}), fmt({c: "-" * widths[c] for c in COLUMNS})]
     return "\n".join(lines + [fmt(r) for r in rows])
+
+
+# -- the run report: one markdown page a person reads --------------------------------------------
+
+OUTPUTS = (
+    ("prompts", "prompts/", "prompt shards; rejected rows with reasons in prompts/rejected.jsonl"),
+    ("generate", "generations/", "regenerated answers (JSONL per shard); failures in shard-*.failed.jsonl; server.log"),
+    ("tokenize", "tokenized/", "input_ids + loss_mask Parquet; filtered rows in shard-*.rejected.jsonl"),
+    ("vocab", "vocab/draft_vocab.safetensors", "d2t / t2d"),
+    ("extract", "hidden_states/", "the target's aux and last-layer states (bf16 safetensors per shard)"),
+    ("train", "checkpoints/", "drafter checkpoints; best.json = best held-out acceptance; logs in train/"),
+    ("export", "export/", "vllm / speculators / sglang layouts"),
+    ("evaluate", "evaluate/live.json", "live acceptance in vLLM; server logs beside it"),
+)
+
+
+def _fmt(value, digits: int = 3) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def markdown_report(run_dir: str | Path, embed_png: bool = False) -> str:
+    """Accounting per stage, errors by kind, token statistics, vocabulary coverage, training
+    curves, acceptance and where every output is -- read from the run directory alone."""
+    run = Path(run_dir)
+    stages = read_manifest(run).get("stages", {})
+    lines = [f"# eagle3 run report: `{run.resolve()}`", "", "## Accounting", "",
+             "| stage | status | in | ok | failed | filtered | reasons (by kind) |", "|---|---|---|---|---|---|---|"]
+    for r in status_rows(run):
+        lines.append(f"| {r['stage']} | {r['status']} | {r['in']} | {r['ok']} | {r['failed']} | {r['filtered']} | {r['reasons']} |")
+    errors = [f"- **{name}**: {e['error']}" for name, e in stages.items() if e.get("error")]
+    if errors:
+        lines += ["", "Errors:", *errors]
+    tok = stages.get("tokenize")
+    if tok:
+        rate = (tok.get("template_check") or {}).get("mismatch_rate") or {}
+        lines += ["", "## Tokens", "", f"- {tok['tokens']} tokens in {tok['ok']} samples ({tok['tokens'] // max(tok['ok'], 1)} per sample), "
+                  f"{tok['supervised_tokens']} supervised ({100 * tok['supervised_tokens'] / max(tok['tokens'], 1):.1f}%), {tok['truncated_rows']} rows truncated",
+                  f"- chat template vs server ids: prompt mismatch rate {_fmt(rate.get('prompt_mismatch'))}, full mismatch rate {_fmt(rate.get('full_mismatch'))}"]
+    voc = stages.get("vocab")
+    if voc:
+        lines += [f"- draft vocabulary: {voc['draft_vocab_size']} of {voc['target_vocab_size']} target ids"
+                  f"{' (identity)' if voc.get('identity') else ''}, coverage of supervised tokens {100 * voc['coverage']:.2f}%"]
+    ext = stages.get("extract")
+    if ext:
+        lines += [f"- hidden states: layers {ext['layer_ids']} ({ext['mode']}, {ext['backend']} backend), {ext['tokens']} tokens, {ext['bytes'] / 2**20:.1f} MiB"]
+    train = stages.get("train")
+    if train:
+        best = train.get("best") or {}
+        lines += ["", "## Training", "", f"- {train['ok']} optimizer steps, {train['tokens']} tokens in {train['seconds']} s on {train['world_size']} process(es)",
+                  f"- best checkpoint by held-out expected acceptance length: step {best.get('step')} ({_fmt(best.get('acceptance_length'))})"]
+        png = run / "train" / "curves.png"
+        if png.exists():
+            if embed_png:
+                import base64
+
+                lines += ["", f"![training curves](data:image/png;base64,{base64.b64encode(png.read_bytes()).decode()})"]
+            else:
+                lines += ["", "![training curves](train/curves.png)"]
+    ev = stages.get("evaluate")
+    if ev:
+        lines += ["", "## Acceptance (live, vLLM spec-decode counters)", "", "| temperature | mean acceptance length | acceptance rate | untrained drafter |", "|---|---|---|---|"]
+        untrained = ev.get("untrained_mean_acceptance_length") or {}
+        for t, length in (ev.get("mean_acceptance_length") or {}).items():
+            lines.append(f"| {t} | {_fmt(length)} | {_fmt((ev.get('acceptance_rate') or {}).get(t))} | {_fmt(untrained.get(t))} |")
+        lines += ["", f"Offline estimate from training (held-out, greedy chain): {_fmt(ev.get('offline_acceptance_length'))}"]
+    lines += ["", "## Where everything is", ""]
+    for stage, rel, what in OUTPUTS:
+        if (run / rel).exists():
+            lines.append(f"- `{run / rel}` -- {what}")
+    lines.append(f"- `{run / MANIFEST}` -- the accounting above, per stage, with config hashes and versions")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(run_dir: str | Path) -> Path:
+    from eagle3.durable import atomic_write_bytes
+
+    path = Path(run_dir) / "report.md"
+    atomic_write_bytes(path, markdown_report(run_dir).encode())
+    return path

@@ -18,6 +18,7 @@ from flows.generate import generate_flow
 from flows.prepare import prepare_flow
 from flows.tokenize import tokenize_flow, vocab_flow
 from flows.train import train_flow
+from tasks.report import report_task
 
 # Stages in pipeline order; the ones not listed in BUILT are not available yet.
 STAGES = ("prepare", "generate", "tokenize", "vocab", "extract", "train", "export", "evaluate")
@@ -43,4 +44,5 @@ async def pipeline_flow(config: PipelineConfig = PipelineConfig()) -> dict:
     results["train"] = train_flow(config)
     results["export"] = export_flow(config)
     results["evaluate"] = evaluate_flow(config)
+    results["report"] = report_task(config)
     return results

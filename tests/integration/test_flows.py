@@ -91,6 +91,8 @@ def test_pipeline_flow_generates_with_real_vllm(prefect_server, demo_config):
         assert names == ["generate-shard-00000", "generate-shard-00001", "generate-summary"]
         assert client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["generate-errors"])))
         assert client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["prepare-accounting"])))
+        report = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["pipeline-report"])))
+        assert report and "## Accounting" in report[0].data and "data:image/png;base64," in report[0].data
 
 
 def test_prepare_flow_rerun_is_skipped(prefect_server, demo_config):
@@ -198,5 +200,8 @@ def test_eagle3_run_end_to_end_from_the_cli(tmp_path):
     print(f"live acceptance length at T=0: trained {trained['mean_acceptance_length']}, untrained {untrained['mean_acceptance_length']}")
     assert trained["mean_acceptance_length"] >= untrained["mean_acceptance_length"] + 0.1, (trained, untrained)
     assert trained["accepted_tokens"] > 2 * max(untrained["accepted_tokens"], 1)
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert f"report:       {tmp_path / 'run' / 'report.md'}" in result.stdout
+    assert "## Acceptance (live, vLLM spec-decode counters)" in report and "![training curves](train/curves.png)" in report
     assert f"manifest:     {tmp_path / 'run' / 'manifest.json'}" in result.stdout
     assert not vllm_processes()

@@ -111,3 +111,21 @@ def test_extract_without_tokenized_shards_is_one_clear_message(tmp_path):
     result = run("extract", "--set", f'run_dir="{tmp_path}"')
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert "shard-00000.done.json not found: shard shard-00000.parquet has not been tokenized" in result.stderr
+
+
+def test_the_run_report_reads_everything_from_the_run_dir(tmp_path):
+    from eagle3.manifest import StageCounts, record_stage
+    from eagle3.report import write_report
+
+    record_stage(tmp_path, "prepare", StageCounts(5, 3, 0, 2, {"empty": 2}), status="ok")
+    record_stage(tmp_path, "generate", StageCounts(3, 2, 1, 0, {"timeout": 1}), status="ok")
+    record_stage(tmp_path, "tokenize", StageCounts(2, 2), status="ok", tokens=300, supervised_tokens=200, truncated_rows=1,
+                 template_check={"mismatch_rate": {"prompt_mismatch": 0.0, "full_mismatch": 0.5}})
+    record_stage(tmp_path, "evaluate", StageCounts(4, 4), status="ok", mean_acceptance_length={"0": 1.75}, acceptance_rate={"0": 0.25},
+                 untrained_mean_acceptance_length={"0": 1.0}, offline_acceptance_length=1.6)
+    (tmp_path / "generations").mkdir()
+    text = write_report(tmp_path).read_text()
+    assert "| prepare | ok | 5 | 3 | 0 | 2 | empty=2 |" in text and "| generate | ok | 3 | 2 | 1 | 0 | timeout=1 |" in text
+    assert "300 tokens in 2 samples" in text and "200 supervised (66.7%), 1 rows truncated" in text
+    assert "| 0 | 1.750 | 0.250 | 1.000 |" in text and "Offline estimate from training (held-out, greedy chain): 1.600" in text
+    assert f"`{tmp_path / 'generations/'}`" in text or f"`{tmp_path / 'generations'}`" in text
