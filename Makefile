@@ -11,7 +11,7 @@ export DO_NOT_TRACK ?= 1
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 90
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: demo test venv venv-vllm clean-venvs
+.PHONY: demo test venv venv-vllm clean-venvs ui ui-stop
 
 venv:
 	@scripts/ensure_venv.sh pipeline
@@ -26,6 +26,13 @@ demo: venv venv-vllm
 ## make test: the test suite.
 test: venv venv-vllm
 	@$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+## make ui: a Prefect server with the UI, the deployments registered and a worker; prints the URL.
+ui: venv venv-vllm
+	@scripts/ui.sh
+
+ui-stop:
+	@for p in .prefect/ui/worker.pid .prefect/ui/server.pid; do [ -f $$p ] && kill $$(cat $$p) 2>/dev/null; rm -f $$p; done; echo "stopped"
 
 clean-venvs:
 	rm -rf .venv .venv-vllm
