@@ -25,6 +25,7 @@ demo: venv venv-vllm
 
 ## make test: the test suite.
 test: venv venv-vllm
+	@scripts/ensure_chromium.sh
 	@$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 ## make ui: a Prefect server with the UI, the deployments registered and a worker; prints the URL.

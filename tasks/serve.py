@@ -70,6 +70,17 @@ async def _external(config: PipelineConfig, logger) -> AsyncIterator[Target]:
     yield Target(tuple(healthy), server.api_key_env, server.served_model_name or server.model, "")
 
 
+def expected_target(config: PipelineConfig) -> tuple[str, str]:
+    """(model name requests use, template hash) as target_server will report them, without a server."""
+    from eagle3.models import resolve_model, template_hash
+
+    server = config.server
+    if server.mode == "external":
+        return server.served_model_name or server.model, ""
+    path = resolve_model(server.model)
+    return server.served_model_name or path, template_hash(path)
+
+
 def target_server(config: PipelineConfig, logger):
     """``async with target_server(config, logger) as target:`` -> URLs, key env var, model name."""
     return _managed(config, logger) if config.server.mode == "managed" else _external(config, logger)

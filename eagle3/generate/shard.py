@@ -95,6 +95,13 @@ def _current_marker(p: dict[str, Path], key: str, input_sha: str) -> dict | None
     return marker if ok else None
 
 
+def is_complete(shard_path: str | Path, out_dir: str | Path, gen: GenerationConfig, model: str, template_hash: str = "") -> bool:
+    """Whether the shard's marker matches its prompts and the generation key (nothing to send)."""
+    shard_path = Path(shard_path)
+    p = paths(Path(out_dir), shard_path.name)
+    return _current_marker(p, generation_key(model, gen, template_hash), sha256_file(shard_path)) is not None
+
+
 def _set_aside_stale(p: dict[str, Path], key: str, log) -> None:
     """Records made under another generation key are kept, out of the way."""
     old = read_json(p["meta"]).get("key") if p["meta"].exists() else None

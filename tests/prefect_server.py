@@ -1,0 +1,58 @@
+"""A real `prefect server start` for tests that need the server as users run it (UI, deployments)."""
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+from conftest import ROOT
+
+VENV = ROOT / ".venv" / "bin"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`prefect server start` in its own process group, with its own PREFECT_HOME."""
+
+    def __init__(self, home: Path, extra_env: dict | None = None):
+        self.port = free_port()
+        self.api = f"http://127.0.0.1:{self.port}/api"
+        self.env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": self.api, "PREFECT_UI_API_URL": self.api,
+                    "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1", "EAGLE3_PROJECT_DIR": str(ROOT), **(extra_env or {})}
+        home.mkdir(parents=True, exist_ok=True)
+        self.log = open(home / "server.log", "w")
+        self.proc = subprocess.Popen([VENV / "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
+                                     env=self.env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.api}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            assert self.proc.poll() is None, (home / "server.log").read_text()[-3000:]
+            time.sleep(0.5)
+        raise AssertionError("prefect server did not answer /health in 120 s")
+
+    def prefect(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        out = subprocess.run([VENV / "prefect", *args], env=self.env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        assert out.returncode == 0, f"prefect {' '.join(args)}:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+        return out
+
+    def stop(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGTERM, signal.SIGKILL):  # a worker ignores the first SIGTERM
+            try:
+                os.killpg(self.proc.pid, sig)
+                self.proc.wait(timeout=15)
+                break
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                continue
+        self.log.close()
