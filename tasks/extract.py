@@ -6,7 +6,7 @@ Nothing here imports torch: the stage module is imported inside each task.
 from __future__ import annotations
 
 from prefect import get_run_logger, task
-from prefect.artifacts import create_table_artifact
+from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
 from eagle3.config import PipelineConfig
@@ -29,7 +29,10 @@ def plan_task(config: PipelineConfig, shards: list[str]):
 def extract_shard_task(config: PipelineConfig, shard: str, the_plan, replica: int = 0):
     from eagle3.hidden.stage import extract_shard
 
-    return extract_shard(config, shard, the_plan, replica, logger=get_run_logger())
+    artifact = create_progress_artifact(progress=0.0, description=f"extract {shard}")
+    result = extract_shard(config, shard, the_plan, replica, logger=get_run_logger(), progress=lambda f: update_progress_artifact(artifact, 100.0 * f))
+    update_progress_artifact(artifact, 100.0)
+    return result
 
 
 @task(name="extract-summary", cache_policy=NO_CACHE)

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from prefect import get_run_logger, task
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
 from eagle3.config import PipelineConfig
@@ -20,9 +20,18 @@ from eagle3.config import PipelineConfig
 @task(name="train-drafter", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=10)
 def train_task(config: PipelineConfig, shards: list[str]) -> dict:
     """A retry resumes from the last checkpoint (the worker reads checkpoints/latest.json)."""
-    from eagle3.train.stage import run_train
+    from eagle3.train.stage import STEP_LINE, run_train
 
-    return run_train(config, shards, logger=get_run_logger())
+    artifact = create_progress_artifact(progress=0.0, description="train: optimizer steps")
+
+    def progress(line: str) -> None:
+        match = STEP_LINE.search(line)
+        if match:
+            update_progress_artifact(artifact, 100.0 * int(match.group(1)) / int(match.group(2)))
+
+    entry = run_train(config, shards, logger=get_run_logger(), on_line=progress)
+    update_progress_artifact(artifact, 100.0)
+    return entry
 
 
 @task(name="train-report", cache_policy=NO_CACHE)

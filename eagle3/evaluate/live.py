@@ -281,17 +281,18 @@ def _untrained_baseline(config: PipelineConfig, drafter: Path, prompts: list[dic
     """The same measurement at temperature 0 for an untrained drafter with the trained one's draft
     vocabulary and aux layers (random layer weights, embeddings and lm_head rows from the target)."""
     import numpy as np
+    from safetensors import safe_open
 
     from eagle3.export.layouts import export_checkpoint, write_untrained_checkpoint
     from eagle3.models import resolve_model
-    from eagle3.vocab import load as load_vocab
 
     target = resolve_model(config.server.model)
     exported = read_json(drafter / "config.json")
     layers = exported.get("eagle_aux_hidden_state_layer_ids") or exported["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
-    d2t, _ = load_vocab(Path(config.run_dir) / "vocab" / "draft_vocab.safetensors")
-    ckpt = write_untrained_checkpoint(target, out / "untrained" / "checkpoint", draft_ids=(np.arange(len(d2t)) + d2t).tolist(),
-                                      aux_layer_ids=list(layers), seed=config.train.seed + 1)
+    with safe_open(str(drafter / "model.safetensors"), framework="np") as fh:  # the export ships d2t only for a smaller draft vocab
+        d2t = fh.get_tensor("d2t") if "d2t" in fh.keys() else None
+    draft_ids = None if d2t is None else (np.arange(len(d2t)) + d2t).tolist()
+    ckpt = write_untrained_checkpoint(target, out / "untrained" / "checkpoint", draft_ids=draft_ids, aux_layer_ids=list(layers), seed=config.train.seed + 1)
     folder = export_checkpoint(ckpt, target, out / "untrained", ["vllm"], num_speculative_tokens=config.evaluate.num_speculative_tokens)["vllm"]
     return live_acceptance(config, folder, prompts, log_path=out / "server-untrained.log", temps=[0.0], logger=logger)
 

@@ -143,8 +143,9 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB ({n} bytes)"
 
 
-def extract_shard(config: PipelineConfig, shard: str, the_plan: Plan, replica: int = 0, logger=None) -> ExtractResult:
-    """Extract one shard's states (skipped when its marker matches)."""
+def extract_shard(config: PipelineConfig, shard: str, the_plan: Plan, replica: int = 0, logger=None, progress=None) -> ExtractResult:
+    """Extract one shard's states (skipped when its marker matches). ``progress(fraction)`` is
+    called as samples are written (the Prefect task moves a progress artifact with it)."""
     log = logger or logging.getLogger(__name__)
     p = _paths(Path(config.run_dir), shard)
     key = the_plan.keys[shard]
@@ -160,7 +161,7 @@ def extract_shard(config: PipelineConfig, shard: str, the_plan: Plan, replica: i
         if hs.backend == "vllm":
             _fill_with_vllm(config, shard, ids, seqs, the_plan, writer, log)
         else:
-            _fill_with_hf(config, seqs, the_plan, writer, replica, log, shard)
+            _fill_with_hf(config, seqs, the_plan, writer, replica, log, shard, progress)
         writer.commit()
     tokens = sum(len(s) for s in seqs)
     seconds = time.perf_counter() - started
@@ -172,7 +173,7 @@ def extract_shard(config: PipelineConfig, shard: str, the_plan: Plan, replica: i
     return result
 
 
-def _fill_with_hf(config, seqs, the_plan: Plan, writer: StatesWriter, replica: int, log, shard: str) -> None:
+def _fill_with_hf(config, seqs, the_plan: Plan, writer: StatesWriter, replica: int, log, shard: str, progress=None) -> None:
     from eagle3.hidden.extract import cached_extractor
 
     hs = config.hidden_states
@@ -181,8 +182,11 @@ def _fill_with_hf(config, seqs, the_plan: Plan, writer: StatesWriter, replica: i
     for k, aux, last in extractor.iter_states(seqs, hs.batch_tokens):
         writer.write(k, aux, last)
         done += 1
-        if time.monotonic() - last_log > 30:
-            log.info("%s: %d/%d samples", shard, done, total)
+        if time.monotonic() - last_log > 10 or done == total:
+            if time.monotonic() - last_log > 30:
+                log.info("%s: %d/%d samples", shard, done, total)
+            if progress is not None:
+                progress(done / total)
             last_log = time.monotonic()
 
 

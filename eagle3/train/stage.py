@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,6 +23,9 @@ from pathlib import Path
 
 from eagle3.config import PipelineConfig, section_hash
 from eagle3.durable import atomic_write_json, read_json
+
+
+STEP_LINE = re.compile(r"\[rank 0\] step (\d+)/(\d+)")
 
 
 class TrainInputError(RuntimeError):
@@ -61,7 +65,9 @@ def torchrun_argv(config: PipelineConfig, request: Path) -> list[str]:
     return argv + ["-m", "eagle3.train.worker", str(request)]
 
 
-def run_train(config: PipelineConfig, shards: list[str], logger=None) -> dict:
+def run_train(config: PipelineConfig, shards: list[str], logger=None, on_line=None) -> dict:
+    """``on_line(line)`` sees every output line of torchrun (the Prefect task moves a progress
+    artifact from the ``step N/M`` lines)."""
     from eagle3.models import resolve_model
 
     log = logger or logging.getLogger(__name__)
@@ -81,12 +87,12 @@ def run_train(config: PipelineConfig, shards: list[str], logger=None) -> dict:
     log.info("train: %s", " ".join(argv))
     started = time.monotonic()
     threads = max(1, (os.cpu_count() or 1) // config.train.nproc_per_node)  # one process per core share, not oversubscribed
-    _run_streamed(argv, config.train.timeout_s, log, cwd=Path(__file__).resolve().parents[2], threads=threads)
+    _run_streamed(argv, config.train.timeout_s, log, cwd=Path(__file__).resolve().parents[2], threads=threads, on_line=on_line)
     result = read_json(result_path)
     return record(config, result, layer_ids, time.monotonic() - started)
 
 
-def _run_streamed(argv: list[str], timeout_s: float, log, cwd: Path, threads: int) -> None:
+def _run_streamed(argv: list[str], timeout_s: float, log, cwd: Path, threads: int, on_line=None) -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd, start_new_session=True)
     tail: list[str] = []
@@ -97,6 +103,11 @@ def _run_streamed(argv: list[str], timeout_s: float, log, cwd: Path, threads: in
             tail.append(line)
             del tail[:-40]
             log.info("%s", line)
+            if on_line is not None:
+                try:
+                    on_line(line)
+                except Exception as exc:  # progress display must never stop training
+                    log.warning("progress update failed: %s", exc)
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()

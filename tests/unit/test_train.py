@@ -227,3 +227,15 @@ def test_training_beats_the_untrained_drafter_on_held_out_data_and_picks_the_bes
     best = json.loads((Path(config.run_dir) / "checkpoints" / "best.json").read_text())
     assert best["acceptance_length"] == max(e["acceptance_length"] for e in evals)
     assert Path(best["path"]).name == f"step-{best['step']:06d}" and (Path(best["path"]) / "model.safetensors").exists()
+
+
+def test_torchrun_gets_the_multi_node_settings():
+    from eagle3.config import load_config
+    from eagle3.train.stage import torchrun_argv
+
+    one = torchrun_argv(load_config(None, []), Path("/r/request.json"))
+    assert "--nproc-per-node=1" in one and "--nnodes=1" in one and "--master-port=29531" in one and one[-3:] == ["-m", "eagle3.train.worker", "/r/request.json"]
+    many = torchrun_argv(load_config(None, ["train.nnodes=4", "train.node_rank=2", "train.nproc_per_node=8", 'train.rdzv_endpoint="node0:29400"',
+                                            'train.rdzv_id="job7"']), Path("/r/request.json"))
+    for flag in ("--nproc-per-node=8", "--nnodes=4", "--node-rank=2", "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29400", "--rdzv-id=job7"):
+        assert flag in many, (flag, many)
