@@ -150,3 +150,38 @@ def test_a_postgres_backed_server_runs_a_flow(tmp_path):
         os.killpg(pg.pid, signal.SIGTERM)
         pg.wait(timeout=30)
         shutil.rmtree(pg_root, ignore_errors=True)
+
+
+@pytest.mark.timeout(600)
+def test_two_workers_share_one_pool(tmp_path):
+    """Scale-out: two workers on the same pool, each running one flow run at a time, split the queue."""
+    server = Server(tmp_path / "prefect", {"PREFECT_WORKER_QUERY_SECONDS": "2"})
+    workers = []
+    try:
+        server.prefect("work-pool", "create", "eagle3-process", "--type", "process", "--overwrite")
+        server.prefect("--no-prompt", "deploy", "flows/prepare.py:prepare_flow", "--name", "scale-out", "--pool", "eagle3-process")
+        for name in ("worker-a", "worker-b"):
+            log = open(tmp_path / f"{name}.log", "w")
+            workers.append(subprocess.Popen([VENV / "prefect", "worker", "start", "--pool", "eagle3-process", "--name", name, "--limit", "1"],
+                                            env=server.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        ids = []
+        for k in range(4):
+            out = server.prefect("deployment", "run", "eagle3-prepare/scale-out", "--params", json.dumps({"config": {"run_dir": str(tmp_path / f"run-{k}")}}))
+            ids.append(next(line.split("UUID:")[1].strip() for line in out.stdout.splitlines() if "UUID:" in line))
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline and any(flow_run_state(server, i) not in ("COMPLETED", "FAILED", "CRASHED") for i in ids):
+            time.sleep(2)
+        assert [flow_run_state(server, i) for i in ids] == ["COMPLETED"] * 4
+        ran = {name: sum(i in (tmp_path / f"{name}.log").read_text() for i in ids) for name in ("worker-a", "worker-b")}
+        assert sum(ran.values()) == 4 and all(n >= 1 for n in ran.values()), ran
+        assert all((tmp_path / f"run-{k}" / "prompts" / "_SUCCESS.json").exists() for k in range(4))
+    finally:
+        for worker in workers:
+            for sig in (signal.SIGTERM, signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(worker.pid, sig)
+                    worker.wait(timeout=15)
+                    break
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    continue
+        server.stop()
