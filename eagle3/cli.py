@@ -167,6 +167,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     from eagle3.config import ConfigError
+    from eagle3.durable import DiskWriteError
     from eagle3.generate.stage import GenerationFailed, MissingInputError
     from eagle3.manifest import AccountingError
     from eagle3.prepare.sources import SourceError
@@ -178,7 +179,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from eagle3.export.layouts import ExportError
     from eagle3.train.stage import TrainDataError, TrainFailed, TrainInputError
 
-    return (ConfigError, SourceError, PrepareError, AccountingError, FileNotFoundError, GenerationFailed, MissingInputError, ServerError, TokenizeInputError, *EXTRACT_ERRORS, TrainDataError, TrainFailed, TrainInputError, ExportError, MissingInput, EvaluationFailed)
+    return (ConfigError, SourceError, PrepareError, AccountingError, FileNotFoundError, GenerationFailed, MissingInputError, ServerError, TokenizeInputError, *EXTRACT_ERRORS, TrainDataError, TrainFailed, TrainInputError, ExportError, MissingInput, EvaluationFailed, DiskWriteError)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,6 +19,30 @@ from pathlib import Path
 from typing import Any
 
 
+class DiskWriteError(OSError):
+    """A write to the run directory failed (disk full, quota, I/O error), named with its file."""
+
+
+@contextlib.contextmanager
+def writing(path: str | Path, what: str) -> Iterator[None]:
+    """Turn an OSError while writing ``path`` into one clear message naming the file and the disk."""
+    try:
+        yield
+    except DiskWriteError:
+        raise
+    except OSError as exc:
+        folder = Path(path).parent
+        free = ""
+        try:
+            import shutil
+
+            free = f"; {shutil.disk_usage(folder).free / 2**30:.2f} GiB free there"
+        except OSError:
+            pass
+        raise DiskWriteError(exc.errno, f"{what}: writing {path} failed: {exc.strerror or exc}{free}. Nothing was marked complete; "
+                                        "free space (or move run_dir) and rerun to resume") from None
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -26,7 +26,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from eagle3.config import PipelineConfig, section_hash
-from eagle3.durable import atomic_write_json, read_json
+from eagle3.durable import atomic_write_json, read_json, sha256_file, writing
 from eagle3.hidden.errors import DiskSpaceError, ExtractInputError, StatesError
 from eagle3.hidden.store import StatesWriter, states_bytes
 
@@ -109,6 +109,9 @@ def plan(config: PipelineConfig, shards: list[str]) -> Plan:
         if not p["tok_done"].exists():
             raise ExtractInputError(f"{p['tok_done']} not found: shard {shard} has not been tokenized (run `eagle3 tokenize`)")
         marker = read_json(p["tok_done"])
+        if not p["tokenized"].exists() or sha256_file(p["tokenized"]) != marker["parquet_sha256"]:
+            raise ExtractInputError(f"{p['tokenized']} is missing or differs from what the tokenize stage wrote (its hash is in "
+                                    f"{p['tok_done'].name}): truncated or replaced; run `eagle3 tokenize` again")
         keys[shard] = _key(config, marker["parquet_sha256"], fingerprint, layer_ids)
         tokens[shard] = int(marker["result"]["tokens"])
         done[shard] = _is_done(p, keys[shard])
@@ -157,7 +160,7 @@ def extract_shard(config: PipelineConfig, shard: str, the_plan: Plan, replica: i
     started = time.perf_counter()
     hs = config.hidden_states
     meta = {"model": config.server.model, "layer_ids": json.dumps(the_plan.layer_ids), "hidden_size": str(the_plan.hidden_size), "shard": shard}
-    with StatesWriter(p["states"], [len(s) for s in seqs], the_plan.hidden_size, meta) as writer:
+    with writing(p["states"], "extract"), StatesWriter(p["states"], [len(s) for s in seqs], the_plan.hidden_size, meta) as writer:
         if hs.backend == "vllm":
             _fill_with_vllm(config, shard, ids, seqs, the_plan, writer, log)
         else:

@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eagle3.config import PipelineConfig, section_hash
-from eagle3.durable import atomic_path, atomic_write_json, atomic_write_lines, install_file, read_json, sha256_file
+from eagle3.durable import atomic_path, atomic_write_json, atomic_write_lines, install_file, read_json, sha256_file, writing
 from eagle3.generate.records import read_records
 from eagle3.tokenize.build import RowError, Sample, conversation, fit_length, from_server_ids, from_template_batch, has_ids, render_ids
 
@@ -225,11 +225,15 @@ def _save_outputs(p: dict, acc: _Acc, vocab: int) -> None:
 
     tmp = p["parquet"].with_name(f".{p['parquet'].name}.partial")
     tmp.parent.mkdir(parents=True, exist_ok=True)
-    _write(acc.rows, tmp)
-    install_file(tmp, p["parquet"])
-    with atomic_path(p["counts"]) as counts_tmp:
-        save_file({"counts": _counts(acc.rows, vocab)}, str(counts_tmp))
-    atomic_write_lines(p["rejected"], acc.rejected)
+    try:
+        with writing(p["parquet"], "tokenize"):
+            _write(acc.rows, tmp)
+            install_file(tmp, p["parquet"])
+            with atomic_path(p["counts"]) as counts_tmp:
+                save_file({"counts": _counts(acc.rows, vocab)}, str(counts_tmp))
+            atomic_write_lines(p["rejected"], acc.rejected)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def tokenize_shard(config: PipelineConfig, shard: str, tokenizer, tok_path: str, logger=None) -> TokenizeResult:

@@ -35,10 +35,14 @@ def task_runs_of(client, flow_run_id):
 
 
 @needs_vllm
-def test_pipeline_flow_generates_with_real_vllm(prefect_server, demo_config):
+def test_pipeline_flow_generates_with_real_vllm(prefect_server, demo_config, monkeypatch):
     import asyncio
 
+    from eagle3.serving import managed
     from flows.pipeline import pipeline_flow
+
+    secret = "SENTINEL-api-key-7f3a9c"  # every managed server of this run gets this key, to look for it afterwards
+    monkeypatch.setattr(managed.secrets, "token_urlsafe", lambda n=32: secret)
 
     config = demo_config("data.limit=24", "data.num_shards=2", f'server.python="{VLLM_PYTHON}"', "evaluate.compare_untrained=false",
                          "evaluate.num_prompts=4", "evaluate.max_tokens=32", "train.epochs=2")
@@ -93,6 +97,18 @@ def test_pipeline_flow_generates_with_real_vllm(prefect_server, demo_config):
         assert client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["prepare-accounting"])))
         report = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["pipeline-report"])))
         assert report and "## Accounting" in report[0].data and "data:image/png;base64," in report[0].data
+
+        # Security: the managed server's API key is in no log line, artifact, parameter or file of the run.
+        from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+        run_ids = [parent.id, *(r.id for r in children.values())]
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=run_ids)), limit=10_000)
+        assert logs and not [entry.message for entry in logs if secret in entry.message]
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id={"any_": run_ids}))
+        assert artifacts and not [a.key for a in artifacts if secret in json.dumps(a.data, default=str)]
+        assert all(secret not in json.dumps(client.read_flow_run(i).parameters, default=str) for i in run_ids)
+    leaked = [str(f) for f in run.rglob("*") if f.is_file() and secret.encode() in f.read_bytes()]
+    assert not leaked, f"the API key was written to {leaked}"
 
 
 def test_prepare_flow_rerun_is_skipped(prefect_server, demo_config):

@@ -241,3 +241,34 @@ def test_gpu_bf16_extraction_matches_the_cpu_float32_forward(tiny, extractor):
         scale = ref_a.abs().max().item()
         torch.testing.assert_close(a.float(), ref_a, rtol=3e-2, atol=3e-2 * max(scale, 1.0))
         torch.testing.assert_close(b.float(), ref_b, rtol=3e-2, atol=3e-2 * max(scale, 1.0))
+
+
+def test_a_failing_write_gives_a_clear_error_and_leaves_no_shard(tmp_path, monkeypatch):
+    import errno
+
+    from eagle3.durable import DiskWriteError
+    from eagle3.hidden import store
+
+    config, names = make_run(tmp_path)
+    real, calls = store.os.pwrite, {"n": 0}
+
+    def fails_later(fd, data, offset):
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(store.os, "pwrite", fails_later)
+    with pytest.raises(DiskWriteError, match=r"extract: writing .*shard-00000.safetensors failed: Input/output error"):
+        run_stage(config, names)
+    out = Path(config.run_dir) / "hidden_states"
+    assert not (out / "shard-00000.done.json").exists() and not (out / "shard-00000.safetensors").exists()
+    assert not list(out.glob(".*partial"))
+
+
+def test_a_truncated_tokenized_shard_is_named_before_any_work(tmp_path):
+    config, names = make_run(tmp_path)
+    path = Path(config.run_dir) / "tokenized" / "shard-00001.parquet"
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(ExtractInputError, match=r"shard-00001.parquet is missing or differs from what the tokenize stage wrote.*eagle3 tokenize"):
+        run_stage(config, names)

@@ -222,3 +222,23 @@ def test_a_template_error_is_one_rows_reason():
     out = from_template_batch(tok, [good, bad, good])
     assert [type(x).__name__ for x in out] == ["Sample", "RowError", "Sample"]
     assert isinstance(out[1], RowError) and out[1].kind == "template_error"
+
+
+def test_a_full_disk_gives_a_clear_error_and_no_complete_looking_shard(tmp_path, monkeypatch):
+    import errno
+
+    from eagle3.durable import DiskWriteError
+
+    config, tok, _ = make_run(tmp_path, lambda k, row, tok: [server_record(k, row, tok)])
+
+    def full(self, table, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(pq.ParquetWriter, "write_table", full)
+    with pytest.raises(DiskWriteError, match=r"tokenize: writing .*tokenized/shard-00000.parquet failed: No space left on device; .* GiB free there"):
+        run_stage(config, tok)
+    out = Path(config.run_dir) / "tokenized"
+    assert not (out / "shard-00000.done.json").exists() and not (out / "shard-00000.parquet").exists()
+    assert not list(out.glob(".*")), "no partial file is left behind"
+    monkeypatch.undo()
+    assert run_stage(config, tok).ok == 6, "the rerun completes"
