@@ -3,6 +3,7 @@ direct computation, DDP against one process, resume against an uninterrupted run
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -239,3 +240,23 @@ def test_torchrun_gets_the_multi_node_settings():
                                             'train.rdzv_id="job7"']), Path("/r/request.json"))
     for flag in ("--nproc-per-node=8", "--nnodes=4", "--node-rank=2", "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29400", "--rdzv-id=job7"):
         assert flag in many, (flag, many)
+
+
+def test_online_extraction_trains_like_stored_states(tmp_path):
+    from eagle3.models import resolve_model
+    from eagle3.train.trainer import Dist, Trainer
+
+    offline, names = make_train_run(tmp_path / "offline", "train.epochs=1")
+    online = offline.model_copy(update={"hidden_states": offline.hidden_states.model_copy(update={"mode": "online"})})
+    losses = {}
+    for name, config in (("offline", offline), ("online", online)):
+        for sub in ("checkpoints", "train"):
+            shutil.rmtree(Path(config.run_dir) / sub, ignore_errors=True)
+        trainer = Trainer(config, names, resolve_model("tiny:qwen3"), [1, 2, 3], Dist(), log=lambda m: None)
+        assert (trainer.extractor is None) == (name == "offline")
+        trainer.save = lambda: None
+        trainer.train()
+        losses[name] = [x["loss"] for x in lines(Path(config.run_dir) / "train" / "log.jsonl")]
+    assert len(losses["online"]) == len(losses["offline"]) >= 3
+    for a, b in zip(losses["offline"], losses["online"]):
+        assert abs(a - b) < 1e-3 * max(1.0, a), (losses["offline"], losses["online"])
