@@ -33,7 +33,7 @@ ui: venv venv-vllm
 	@scripts/ui.sh
 
 ui-stop:
-	@for p in .prefect/ui/worker.pid .prefect/ui/server.pid; do [ -f $$p ] && kill $$(cat $$p) 2>/dev/null; rm -f $$p; done; echo "stopped"
+	@scripts/ui.sh stop
 
 clean-venvs:
 	rm -rf .venv .venv-vllm

@@ -13,6 +13,23 @@ PORT="${EAGLE3_UI_PORT:-4200}"
 PREFECT=".venv/bin/prefect"
 STATE=".prefect/ui"
 mkdir -p "$STATE"
+
+if [ "${1:-}" = "stop" ]; then
+  # A Prefect worker ignores its first SIGTERM: signal twice, then SIGKILL whatever is left.
+  for name in worker server; do
+    pidfile="$STATE/$name.pid"
+    [ -f "$pidfile" ] || continue
+    pid="$(cat "$pidfile")"
+    for sig in TERM TERM KILL; do
+      kill -0 "$pid" 2>/dev/null || break
+      kill "-$sig" "$pid" 2>/dev/null
+      for _ in $(seq 1 10); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+    done
+    rm -f "$pidfile"
+    echo "stopped the $name"
+  done
+  exit 0
+fi
 export PREFECT_API_URL="http://${HOST}:${PORT}/api"
 export PREFECT_UI_API_URL="$PREFECT_API_URL"   # else the page calls 127.0.0.1:4200 and shows no runs
 export EAGLE3_PROJECT_DIR="$PWD"
