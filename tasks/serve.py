@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3.config import PipelineConfig
+from eagle3.generate.stage import expected_target  # noqa: F401  (flows import it from here)
 
 MANAGED_KEY_ENV = "EAGLE3_MANAGED_SERVER_KEY"
 
@@ -68,17 +69,6 @@ async def _external(config: PipelineConfig, logger) -> AsyncIterator[Target]:
     if not healthy:
         raise RuntimeError(f"no replica of {server.urls} answered /health and /v1/models: {bad}")
     yield Target(tuple(healthy), server.api_key_env, server.served_model_name or server.model, "")
-
-
-def expected_target(config: PipelineConfig) -> tuple[str, str]:
-    """(model name requests use, template hash) as target_server will report them, without a server."""
-    from eagle3.models import resolve_model, template_hash
-
-    server = config.server
-    if server.mode == "external":
-        return server.served_model_name or server.model, ""
-    path = resolve_model(server.model)
-    return server.served_model_name or path, template_hash(path)
 
 
 def target_server(config: PipelineConfig, logger):

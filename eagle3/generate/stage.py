@@ -98,3 +98,14 @@ def record(config: PipelineConfig, summary: dict, model: str) -> dict:
     if error:
         raise GenerationFailed(error)
     return entry
+
+
+def expected_target(config: PipelineConfig) -> tuple[str, str]:
+    """(model name requests use, template hash) as target_server will report them, without a server."""
+    from eagle3.models import resolve_model, template_hash
+
+    server = config.server
+    if server.mode == "external":
+        return server.served_model_name or server.model, ""
+    path = resolve_model(server.model)
+    return server.served_model_name or path, template_hash(path)

@@ -102,6 +102,25 @@ def _paths(run_dir: Path, shard: str) -> dict[str, Path]:
     }
 
 
+def _check_generation_settings(config: PipelineConfig, p: dict, shard: str) -> None:
+    """Records made by another model, sampling or chat template than the config's are refused by name."""
+    from eagle3.generate.shard import generation_key
+    from eagle3.generate.stage import expected_target
+
+    made = read_json(p["gen_done"]).get("key")
+    if made is None:
+        return
+    model, template = expected_target(config)
+    gen = config.generation
+    if made != generation_key(model, gen, template):
+        meta_path = p["generations"].with_name(p["generations"].name.replace(".jsonl", ".meta.json"))
+        meta = read_json(meta_path) if meta_path.exists() else {}
+        raise TokenizeInputError(
+            f"{p['generations']}: made by model {meta.get('model', '?')!r} with sampling {meta.get('sampling', '?')}, but the config asks for "
+            f"model {model!r} with max_tokens={gen.max_tokens}, temperature={gen.temperature}, top_p={gen.top_p} (or another chat template): "
+            f"run `eagle3 generate` for shard {shard} (earlier records are set aside, never mixed)")
+
+
 def _key(p: dict, config: PipelineConfig, tok_fp: str) -> str:
     parts = [sha256_file(p["generations"]), sha256_file(p["prompts"]), tok_fp, section_hash(config.tokenize)]
     return hashlib.sha256(":".join(parts).encode()).hexdigest()[:16]
@@ -242,6 +261,7 @@ def tokenize_shard(config: PipelineConfig, shard: str, tokenizer, tok_path: str,
     p = _paths(Path(config.run_dir), shard)
     if not p["gen_done"].exists():
         raise TokenizeInputError(f"{p['gen_done']} not found: shard {shard} has not finished generating")
+    _check_generation_settings(config, p, shard)
     key = _key(p, config, tokenizer_fingerprint(tok_path))
     if p["done"].exists() and read_json(p["done"]).get("key") == key and p["parquet"].exists():
         done = read_json(p["done"])

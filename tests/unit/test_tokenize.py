@@ -242,3 +242,13 @@ def test_a_full_disk_gives_a_clear_error_and_no_complete_looking_shard(tmp_path,
     assert not list(out.glob(".*")), "no partial file is left behind"
     monkeypatch.undo()
     assert run_stage(config, tok).ok == 6, "the rerun completes"
+
+
+def test_records_from_another_model_are_refused_by_name(tmp_path):
+    config, tok, _ = make_run(tmp_path, lambda k, row, tok: [server_record(k, row, tok)])
+    gen = Path(config.run_dir) / "generations"
+    (gen / "shard-00000.meta.json").write_text(json.dumps({"key": "0123456789abcdef", "model": "someone/other-model", "sampling": {"temperature": 1.0}}))
+    (gen / "shard-00000.done.json").write_text(json.dumps({"key": "0123456789abcdef"}))
+    with pytest.raises(TokenizeInputError, match=r"made by model 'someone/other-model' .* but the config asks for model .*tiny-qwen3.*run `eagle3 generate`"):
+        run_stage(config, tok)
+    assert not (Path(config.run_dir) / "tokenized" / "shard-00000.done.json").exists()
