@@ -5,7 +5,7 @@ vocabulary, stored states or online settings, layer ids the extraction used), wr
 file, starts ``torchrun`` as a subprocess in its own process group under
 ``train.timeout_s`` (gloo on CPU, nccl on GPU: the worker picks), streams every output line to
 the logger, and records the manifest entry from ``train/result.json``. A rerun resumes from
-``checkpoints/latest.json``; a run that already reached its last step is not started again.
+``checkpoints/latest.json``; a run that already reached its last step does no further step.
 """
 
 from __future__ import annotations
