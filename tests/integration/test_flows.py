@@ -102,7 +102,10 @@ def test_pipeline_flow_generates_with_real_vllm(prefect_server, demo_config, mon
         from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
         run_ids = [parent.id, *(r.id for r in children.values())]
-        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=run_ids)), limit=10_000)
+        logs, page = [], None
+        while page is None or len(page) == 200:  # the server serves at most 200 log lines per request
+            page = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=run_ids)), limit=200, offset=len(logs))
+            logs += page
         assert logs and not [entry.message for entry in logs if secret in entry.message]
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id={"any_": run_ids}))
         assert artifacts and not [a.key for a in artifacts if secret in json.dumps(a.data, default=str)]
