@@ -48,11 +48,17 @@ class Server:
         return out
 
     def stop(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGTERM, signal.SIGKILL):  # a worker ignores the first SIGTERM
-            try:
-                os.killpg(self.proc.pid, sig)
-                self.proc.wait(timeout=15)
-                break
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                continue
+        stop_group(self.proc)
         self.log.close()
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """Stop a process group started with start_new_session: SIGTERM twice (a Prefect worker ignores
+    the first), then SIGKILL."""
+    for sig in (signal.SIGTERM, signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=15)
+            break
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            continue

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import ROOT
-from prefect_server import VENV, Server, free_port
+from prefect_server import VENV, Server, free_port, stop_group
 
 pytestmark = pytest.mark.integration
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -68,13 +68,7 @@ def test_nightly_deployment_runs_and_a_second_night_generates_nothing_new(tmp_pa
         assert manifest["generate"]["ok"] == 10 and manifest["tokenize"]["ok"] == 10
     finally:
         if worker is not None:
-            for sig in (signal.SIGTERM, signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(worker.pid, sig)
-                    worker.wait(timeout=15)
-                    break
-                except (ProcessLookupError, subprocess.TimeoutExpired):
-                    continue
+            stop_group(worker)
         server.stop()
 
 
@@ -180,11 +174,5 @@ def test_two_workers_share_one_pool(tmp_path):
         assert all((tmp_path / f"run-{k}" / "prompts" / "_SUCCESS.json").exists() for k in range(4))
     finally:
         for worker in workers:
-            for sig in (signal.SIGTERM, signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(worker.pid, sig)
-                    worker.wait(timeout=15)
-                    break
-                except (ProcessLookupError, subprocess.TimeoutExpired):
-                    continue
+            stop_group(worker)
         server.stop()
