@@ -13,6 +13,11 @@ Two paths:
   after its generation prompt are its supervised tokens. A template whose prefixes are not
   prefixes of the whole (rare) is reported per row, not guessed.
 
+Speed of the batched template path (benchmarks/bench_tokenize.py), both with checks that stop the
+run on any difference: the project's own templates render in plain Python instead of sandboxed
+jinja (renderers.py), and for byte-level BPE tokenizers the masks of ASCII rows come from token
+byte lengths, which lets the encode skip character-offset tracking (offset_free.py).
+
 Where reasoning goes: templates like Qwen3's render an assistant turn's reasoning only for
 turns after the last user message; earlier turns lose it. So in a multi-turn conversation
 only the final answer's reasoning is supervised, which matches what the target sees at
@@ -26,6 +31,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from eagle3.tokenize import offset_free, renderers
+
+FAST_RENDER = True  # False: every row through jinja (benchmarks/bench_tokenize.py measures both)
+OFFSET_FREE = True  # False: every template-path row encoded with character offsets
 GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
@@ -140,28 +149,75 @@ def from_template_batch(tokenizer, conversations: list[list[dict]], executor=Non
         return (lambda: samples) if executor is not None else samples
     texts, spans = rendered
     # The Rust tokenizer directly: transformers' per-row conversion of ids, offsets and
-    # masks into Python lists cost as much as the encoding itself (measured).
+    # masks into Python lists cost as much as the encoding itself (measured). Rows whose mask
+    # can come from the ids alone skip offset tracking (eagle3/tokenize/offset_free.py); the
+    # others, and a sample of those as a check, are encoded with offsets.
+    backend = tokenizer.backend_tokenizer
+    table = offset_free.byte_lengths(backend) if OFFSET_FREE else None
+    quick = [k for k, text in enumerate(texts) if text.isascii()] if table is not None else []
+    checked = [quick[j] for j in range(0, len(quick), offset_free.CHECK_EVERY)]
+    slow = sorted(set(range(len(texts))) - set(quick)) + checked if quick else list(range(len(texts)))
+
+    def encode():
+        return (backend.encode_batch_fast([texts[k] for k in quick], add_special_tokens=False) if quick else [],
+                backend.encode_batch([texts[k] for k in slow], add_special_tokens=False) if slow else [])
+
     if executor is None:
-        return _samples(tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False), spans)
-    future = executor.submit(tokenizer.backend_tokenizer.encode_batch, texts, add_special_tokens=False)
-    return lambda: _samples(future.result(), spans)
+        return _assemble(backend, table, texts, spans, quick, slow, *encode())
+    future = executor.submit(encode)
+    return lambda: _assemble(backend, table, texts, spans, quick, slow, *future.result())
+
+
+def _assemble(backend, table, texts, spans, quick, slow, fast_encodings, offset_encodings) -> list[Sample]:
+    out: list[Sample | None] = [None] * len(texts)
+    for k, encoding in zip(slow, offset_encodings):
+        out[k] = Sample(np.array(encoding.ids, dtype=np.int32), _encoding_mask(encoding, spans[k]), "template")
+    ids = [np.array(e.ids, dtype=np.int32) for e in fast_encodings]
+    masks = offset_free.masks(table, ids, [texts[k] for k in quick], [spans[k] for k in quick]) if quick else []
+    missing = []
+    for k, row_ids, mask in zip(quick, ids, masks):
+        if mask is None:
+            if out[k] is None:
+                missing.append(k)
+        elif out[k] is None:
+            out[k] = Sample(row_ids, mask, "template")
+        elif not (np.array_equal(out[k].input_ids, row_ids) and np.array_equal(out[k].loss_mask, mask)):
+            raise offset_free.MaskMismatch(
+                f"conversation {k} of the batch: ids or mask from token lengths differ from the tokenizer's offsets "
+                "(a bug in eagle3/tokenize/offset_free.py; set eagle3.tokenize.build.OFFSET_FREE = False to use offsets only)")
+    for k, encoding in zip(missing, backend.encode_batch([texts[k] for k in missing], add_special_tokens=False) if missing else []):
+        out[k] = Sample(np.array(encoding.ids, dtype=np.int32), _encoding_mask(encoding, spans[k]), "template")
+    return out
 
 
 def _render_generation(tokenizer, conversations: list[list[dict]]):
     """(texts, generation spans) for templates with generation markers; None when the
-    template has none or some row does not render (found row by row by the caller)."""
-    if not GENERATION_TAG.search(tokenizer.chat_template or ""):
+    template has none or some row does not render (found row by row by the caller).
+
+    The project's own templates render in plain Python (eagle3/tokenize/renderers.py), with a
+    sample of rows rendered through jinja too and compared (a difference stops the run); other
+    templates, and conversations outside the renderer's plain shape, render through jinja."""
+    template = tokenizer.chat_template or ""
+    if not GENERATION_TAG.search(template):
         return None
-    from transformers.utils.chat_template_utils import render_jinja_template
+    specials = tokenizer.special_tokens_map
+    fast = renderers.renderer_for(template) if FAST_RENDER else None
+    out = [fast(c, specials) for c in conversations] if fast is not None else [None] * len(conversations)
+    checked = [k for k in renderers.check_rows(len(conversations)) if out[k] is not None]
+    todo = [k for k, r in enumerate(out) if r is None] + checked
+    if todo:
+        from transformers.utils.chat_template_utils import render_jinja_template
 
-    try:
-        return render_jinja_template(conversations, chat_template=tokenizer.chat_template, return_assistant_tokens_mask=True, **tokenizer.special_tokens_map)
-    except Exception:  # a template error on one row: found row by row
-        return None
-
-
-def _samples(encodings, spans) -> list[Sample]:
-    return [Sample(np.array(e.ids, dtype=np.int32), _encoding_mask(e, sp), "template") for e, sp in zip(encodings, spans)]
+        try:
+            texts, spans = render_jinja_template([conversations[k] for k in todo], chat_template=template, return_assistant_tokens_mask=True, **specials)
+        except Exception:  # a template error on one row: found row by row
+            return None
+        for k, text, sp in zip(todo, texts, spans):
+            if out[k] is None:
+                out[k] = (text, sp)
+            elif out[k] != (text, sp):
+                raise renderers.mismatch(k, out[k], (text, sp))
+    return [t for t, _ in out], [s for _, s in out]
 
 
 def _safe_template(tokenizer, conv: list[dict]) -> Sample | RowError:

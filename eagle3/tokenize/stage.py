@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,8 +28,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eagle3.config import PipelineConfig, section_hash
-from eagle3.durable import atomic_path, atomic_write_json, atomic_write_lines, install_file, read_json, sha256_file, writing
+from eagle3.durable import atomic_path, atomic_write_json, atomic_write_lines, install_file, read_json, remove_inside, sha256_file, writing
 from eagle3.generate.records import read_records
+from eagle3.schemas import PROMPT_COLUMNS, check_schema, tokenizer_hash
 from eagle3.tokenize.build import RowError, Sample, conversation, fit_length, from_server_ids, from_template_batch, has_ids, render_ids
 
 SCHEMA = pa.schema([
@@ -42,7 +44,9 @@ SCHEMA = pa.schema([
 ])
 ROW_GROUP_TOKENS = 1 << 20
 TEMPLATE_CHECKS = 64
-CHUNK = 512  # template-path rows rendered and encoded together
+CHUNK = 512  # template-path rows rendered and encoded together: at most this many,
+CHUNK_CHARS = 1 << 17  # and about this much completion text (~30k tokens), so long rows still pipeline
+IN_FLIGHT = 2  # chunks encoding at once: the Rust pool balances two batches across cores, one alone idles at its tail
 
 
 class TokenizeInputError(RuntimeError):
@@ -126,8 +130,14 @@ def _key(p: dict, config: PipelineConfig, tok_fp: str) -> str:
     return hashlib.sha256(":".join(parts).encode()).hexdigest()[:16]
 
 
+def _text_size(record: dict) -> int:
+    content, reasoning = record.get("content"), record.get("reasoning")
+    return (len(content) if type(content) is str else 0) + (len(reasoning) if type(reasoning) is str else 0)
+
+
 @dataclass
 class _Acc:
+    out: _Output | None = None
     rows: list = field(default_factory=list)
     rejected: list = field(default_factory=list)
     reasons: dict = field(default_factory=dict)
@@ -168,14 +178,18 @@ def _keep(rid: str, sample: Sample, config: PipelineConfig, acc: _Acc) -> None:
     acc.tokens += len(sample.input_ids)
     acc.supervised += supervised
     acc.rows.append((rid, sample, supervised, truncated))
+    acc.out.add(acc.rows[-1])
 
 
-def _chunk(records: list[tuple[int, dict]], messages: dict, tokenizer, vocab: int, config: PipelineConfig, acc: _Acc, every: int, executor):
+def _chunk(records: list[tuple[int, dict, tuple | None]], messages: dict, tokenizer, vocab: int, config: PipelineConfig, acc: _Acc, every: int, executor):
     """Start one chunk: server-id rows one by one, template rows rendered together and their
-    encode handed to ``executor``. Returns the function that finishes the chunk (in order)."""
+    encode handed to ``executor``. Returns the function that finishes the chunk (in record order,
+    rows refused while reading included)."""
     samples: dict[int, Sample | RowError] = {}
     pending: list[tuple[int, list[dict]]] = []
-    for k, record in records:
+    for k, record, refused in records:
+        if refused is not None:
+            continue
         rid = record.get("id")
         try:
             if not isinstance(rid, str) or rid not in messages:
@@ -191,7 +205,10 @@ def _chunk(records: list[tuple[int, dict]], messages: dict, tokenizer, vocab: in
     def finish() -> None:
         for (k, _), sample in zip(pending, encoded()):
             samples[k] = sample
-        for k, record in records:
+        for k, record, refused in records:
+            if refused is not None:
+                acc.reject(record.get("id") if isinstance(record, dict) else None, *refused)
+                continue
             sample = samples[k]
             if isinstance(sample, RowError):
                 acc.reject(record.get("id"), sample.kind, str(sample))
@@ -218,17 +235,51 @@ def _table(batch: list) -> pa.Table:
     ], schema=SCHEMA)
 
 
-def _write(rows: list, tmp: Path) -> None:
-    writer = pq.ParquetWriter(tmp, SCHEMA, compression="zstd")
-    batch, batch_tokens = [], 0
-    for row in rows + [None]:
-        if row is not None:
-            batch.append(row)
-            batch_tokens += len(row[1].input_ids)
-        if batch and (row is None or batch_tokens >= ROW_GROUP_TOKENS):
-            writer.write_table(_table(batch))
-            batch, batch_tokens = [], 0
-    writer.close()
+class _Output:
+    """Kept rows go to the shard's partial Parquet file as they come, a row group per
+    ~ROW_GROUP_TOKENS (the groups, so the bytes, of writing them all at the end), and into the
+    supervised-token counts: later chunks encode meanwhile and the stage's end has one group left."""
+
+    def __init__(self, final: Path, vocab: int):
+        self.final, self.tmp, self.vocab = final, final.with_name(f".{final.name}.partial"), vocab
+        self.writer, self.batch, self.tokens = None, [], 0
+        self.counts = np.zeros(vocab, dtype=np.int64)
+
+    def add(self, row) -> None:
+        self.batch.append(row)
+        self.tokens += len(row[1].input_ids)
+        if self.tokens >= ROW_GROUP_TOKENS:
+            self._flush()
+
+    def _flush(self) -> None:
+        with writing(self.final, "tokenize"):
+            if self.writer is None:
+                self.tmp.parent.mkdir(parents=True, exist_ok=True)
+                self.writer = pq.ParquetWriter(self.tmp, SCHEMA, compression="zstd")
+            if self.batch:
+                self.writer.write_table(_table(self.batch))
+        if self.batch:
+            counts = _counts(self.batch, self.vocab)
+            if len(counts) > len(self.counts):
+                counts[: len(self.counts)] += self.counts
+                self.counts = counts
+            else:
+                self.counts[: len(counts)] += counts
+        self.batch, self.tokens = [], 0
+
+    def close(self) -> None:
+        self._flush()
+        self.writer.close()
+        self.writer = None
+
+    def discard(self) -> None:
+        """After a failure: no partial file stays behind."""
+        try:
+            if self.writer is not None:
+                self.writer.close()
+        except Exception:  # the file goes anyway
+            pass
+        remove_inside(self.tmp, self.final.parent)
 
 
 def _counts(rows: list, vocab: int) -> np.ndarray:
@@ -239,20 +290,18 @@ def _counts(rows: list, vocab: int) -> np.ndarray:
     return np.bincount(ids[mask], minlength=vocab).astype(np.int64)
 
 
-def _save_outputs(p: dict, acc: _Acc, vocab: int) -> None:
+def _save_outputs(p: dict, acc: _Acc) -> None:
     from safetensors.numpy import save_file
 
-    tmp = p["parquet"].with_name(f".{p['parquet'].name}.partial")
-    tmp.parent.mkdir(parents=True, exist_ok=True)
     try:
         with writing(p["parquet"], "tokenize"):
-            _write(acc.rows, tmp)
-            install_file(tmp, p["parquet"])
+            acc.out.close()
+            install_file(acc.out.tmp, p["parquet"])
             with atomic_path(p["counts"]) as counts_tmp:
-                save_file({"counts": _counts(acc.rows, vocab)}, str(counts_tmp))
+                save_file({"counts": acc.out.counts}, str(counts_tmp))
             atomic_write_lines(p["rejected"], acc.rejected)
     finally:
-        tmp.unlink(missing_ok=True)
+        acc.out.discard()
 
 
 def tokenize_shard(config: PipelineConfig, shard: str, tokenizer, tok_path: str, logger=None) -> TokenizeResult:
@@ -267,34 +316,40 @@ def tokenize_shard(config: PipelineConfig, shard: str, tokenizer, tok_path: str,
         done = read_json(p["done"])
         if sha256_file(p["parquet"]) == done["parquet_sha256"]:
             return TokenizeResult(**{**done["result"], "skipped": True})
-    p["done"].unlink(missing_ok=True)
+    remove_inside(p["done"], config.run_dir)
+    check_schema(p["prompts"], PROMPT_COLUMNS, "prompt shard (RUN/prompts)")
     table = pq.read_table(p["prompts"], columns=["id", "messages"])
     messages = dict(zip(table.column("id").to_pylist(), table.column("messages").to_pylist()))
     records = read_records(p["generations"], log)
-    vocab, acc, seen, chunk, unfinished = vocab_size(tokenizer, tok_path), _Acc(), set(), [], None
+    vocab, seen, chunk, chars, unfinished = vocab_size(tokenizer, tok_path), set(), [], 0, deque()
+    acc = _Acc(out=_Output(p["parquet"], vocab))
     every = max(1, len(records) // TEMPLATE_CHECKS)
-    with ThreadPoolExecutor(1, thread_name_prefix="encode") as executor:  # chunk k encodes while k+1 renders
-        for k, record in enumerate(records + [None]):
-            if record is None or len(chunk) == CHUNK:
-                started = _chunk(chunk, messages, tokenizer, vocab, config, acc, every, executor)
-                if unfinished is not None:
-                    unfinished()
-                unfinished, chunk = started, []
-            if record is None:
-                unfinished()
-                break
-            if not isinstance(record, dict):
-                acc.reject(None, "bad_record", f"record {k} is not a JSON object")
-            elif record.get("id") in seen:
-                acc.reject(record.get("id"), "duplicate", "a second record for this id")
-            else:
-                seen.add(record.get("id"))
-                chunk.append((k, record))
-    _save_outputs(p, acc, vocab)
+    try:
+        with ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="encode") as executor:  # chunks k, k+1 encode while k+2 renders
+            for k, record in enumerate(records + [None]):
+                if record is None or len(chunk) == CHUNK or chars >= CHUNK_CHARS:
+                    unfinished.append(_chunk(chunk, messages, tokenizer, vocab, config, acc, every, executor))
+                    chunk, chars = [], 0
+                    while len(unfinished) > (IN_FLIGHT if record is not None else 0):
+                        unfinished.popleft()()
+                if record is None:
+                    break
+                if not isinstance(record, dict):
+                    chunk.append((k, record, ("bad_record", f"record {k} is not a JSON object")))
+                elif record.get("id") in seen:
+                    chunk.append((k, record, ("duplicate", "a second record for this id")))
+                else:
+                    seen.add(record.get("id"))
+                    chunk.append((k, record, None))
+                    chars += _text_size(record)
+        _save_outputs(p, acc)
+    finally:
+        acc.out.discard()
     result = TokenizeResult(shard, str(p["parquet"]), len(records), len(acc.rows), len(acc.rejected), acc.reasons,
                             acc.tokens, acc.supervised, sum(1 for r in acc.rows if r[3]), acc.checks, False)
     assert result.in_ == result.ok + result.filtered, result
-    atomic_write_json(p["done"], {"key": key, "parquet_sha256": sha256_file(p["parquet"]), "result": {k: v for k, v in result.__dict__.items() if k != "skipped"}})
+    atomic_write_json(p["done"], {"key": key, "parquet_sha256": sha256_file(p["parquet"]), "tokenizer": tok_path, "tokenizer_sha256": tokenizer_hash(tok_path),
+                                  "result": {k: v for k, v in result.__dict__.items() if k != "skipped"}})
     log.info("%s: %d records -> %d rows (%d tokens, %d supervised), %d filtered %s; template check %s",
              shard, result.in_, result.ok, result.tokens, result.supervised, result.filtered, result.reasons, acc.checks)
     return result
