@@ -151,6 +151,25 @@ class ServerConfig(_Strict):
         description="Managed mode: how long to wait for /health and /v1/models. Large targets take minutes to load weights; 15 min covers a 1T MoE from local disk.",
     )
     stop_grace_s: float = Field(30.0, gt=0, description="Managed mode: seconds between SIGTERM and SIGKILL when stopping the server's process group; vLLM frees GPU memory in a few seconds.")
+    max_restarts: int = Field(
+        2,
+        ge=0,
+        description=(
+            "Managed mode: restarts of a server whose process exits while the flow is generating (same port, same key, "
+            "so requests carry on); a restart that fails counts too. One more exit fails the flow, naming this limit. "
+            "2 survives a one-off crash or OOM kill; a server that keeps dying ends the run in minutes, not a loop."
+        ),
+    )
+    outage_wait_s: float = Field(
+        300.0,
+        ge=0,
+        description=(
+            "How long requests wait, spending no attempts, while every server refuses connections (a managed restart; "
+            "external replicas restarted by their operator); benched servers are probed at /v1/models every second. "
+            "Past it requests fail and the shard task retry (generation.shard_retries) resumes them. Managed mode waits "
+            "at least startup_timeout_s + stop_grace_s, a restart's longest. 300 s: a restart of a mid-size model; 0: no wait."
+        ),
+    )
 
     @field_validator("urls")
     @classmethod
@@ -393,6 +412,19 @@ class PipelineConfig(_Strict):
     train: TrainConfig = Field(default_factory=TrainConfig)
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
+
+    @field_validator("run_dir")
+    @classmethod
+    def _run_dir_is_safe(cls, run_dir: str) -> str:
+        """Stages delete their own temporary files under run_dir: refuse folders where that could
+        touch someone else's files. The path is checked as given and with ~ expanded."""
+        from eagle3.durable import unsafe_root_reason
+
+        for candidate in dict.fromkeys((run_dir, str(Path(run_dir).expanduser()))):
+            reason = unsafe_root_reason(Path(candidate).absolute()) if run_dir.strip() else "it is empty"
+            if reason is not None:
+                raise ValueError(f"run_dir {run_dir!r} is not a safe run directory: {reason}. Use a folder of its own, e.g. runs/NAME")
+        return run_dir
 
     @model_validator(mode="before")
     @classmethod

@@ -8,10 +8,12 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 
 from eagle3.config import PipelineConfig
+from eagle3.durable import DiskWriteError
 from eagle3.generate import stage
 from eagle3.generate.shard import is_complete
+from eagle3.schemas import SchemaError
 from tasks.generate import generate_shard_task, generate_summary_task
-from tasks.serve import expected_target, target_server
+from tasks.serve import expected_target, outage_allowance_s, target_server
 
 
 async def _bounded(limit: asyncio.Semaphore, make):
@@ -32,16 +34,29 @@ async def generate_flow(config: PipelineConfig = PipelineConfig()) -> dict:
         # A nightly run with no new or changed prompt: no server start, no request.
         get_run_logger().info("generate: all %d shards complete on disk for this model, sampling and template; no server started", len(shards))
         return generate_summary_task(config, [str(s) for s in shards], model)
-    async with target_server(config, get_run_logger()) as target:
+    async with target_server(config, get_run_logger()) as serving:
+        target = serving.target
         runs = [
             _bounded(limit, lambda s=s: generate_shard_task.with_options(
-                name=f"generate-{s.stem}", timeout_seconds=stage.shard_timeout_s(rows, per_shard, gen),
+                name=f"generate-{s.stem}", timeout_seconds=stage.shard_timeout_s(rows, per_shard, gen) + outage_allowance_s(config),
                 retries=gen.shard_retries, retry_delay_seconds=gen.shard_retry_delay_s,
             )(config, str(s), target, per_shard))
             for s, rows in shards.items()
         ]
-        outcomes = await asyncio.gather(*runs, return_exceptions=True)
-    entry = generate_summary_task(config, [str(s) for s in shards], target.model)
+        # A managed server that is gone for good (past server.max_restarts) cancels the shards
+        # at once: waiting out server.outage_wait_s for a server nobody restarts helps no one.
+        outcomes = await serving.run(asyncio.gather(*runs, return_exceptions=True)) or []
+    # The accounting is written first (what is on disk stays counted), then the server's fate decides.
+    try:
+        entry = generate_summary_task(config, [str(s) for s in shards], target.model, serving.manifest_fields())
+    except Exception as summary_error:
+        serving.raise_if_lost(config, summary_error)
+        # A full disk or a malformed prompt shard stops its shard; say that, not only "shard incomplete".
+        cause = next((o for o in outcomes if isinstance(o, (DiskWriteError, SchemaError))), None)
+        if cause is not None:
+            raise cause from summary_error
+        raise
+    serving.raise_if_lost(config)
     crashed = [o for o in outcomes if isinstance(o, BaseException)]
     if crashed:
         raise crashed[0]

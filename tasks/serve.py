@@ -2,6 +2,11 @@
 
 The API key never becomes a task parameter (parameters are shown in the UI): shard
 tasks get the *name* of an environment variable that holds it in this process.
+
+A managed server is supervised for the length of the flow: when its process exits it is
+restarted on the same port with the same key (server.max_restarts), while the shards'
+requests wait for it (server.outage_wait_s) instead of failing. Past the limit the flow
+stops its shards at once rather than letting them wait out the outage.
 """
 
 from __future__ import annotations
@@ -27,13 +32,77 @@ class Target:
     template_hash: str
 
 
+class ServerLost(RuntimeError):
+    """The managed server kept exiting: server.max_restarts restarts were not enough."""
+
+
+@dataclass
+class Serving:
+    """The flow's handle on the server (never a task parameter): the target and what happened to it."""
+
+    target: Target
+    server: object | None = None  # the ManagedServer in managed mode
+
+    @property
+    def restarts(self) -> int:
+        return self.server.restarts if self.server is not None else 0
+
+    @property
+    def lost(self) -> Exception | None:
+        """The managed server exited with no restart left (server.max_restarts)."""
+        return self.server.lost if self.server is not None else None
+
+    def manifest_fields(self) -> dict:
+        if self.server is None:
+            return {}
+        return {"server_restarts": self.restarts, "server_restart_events": self.server.restart_events}
+
+    def raise_if_lost(self, config: PipelineConfig, cause: BaseException | None = None) -> None:
+        if self.lost is not None:
+            raise ServerLost(
+                f"generate: the vLLM server kept exiting: server.max_restarts={config.server.max_restarts} is used up "
+                f"({self.restarts} restart(s) made); finished samples are kept and a rerun resumes. {self.lost}"
+            ) from cause
+
+    async def run(self, work):
+        """Await ``work``; cancel it and return None as soon as the server is lost for good."""
+        job = asyncio.ensure_future(work)
+        if self.server is None:
+            return await job
+        while not job.done():
+            await asyncio.wait({job}, timeout=LOST_POLL_S)
+            if self.lost is not None and not job.done():
+                job.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await job
+                return None
+        return job.result()
+
+
+def outage_wait_s(config: PipelineConfig) -> float:
+    """How long requests wait while no server answers: in managed mode at least a restart's longest."""
+    server = config.server
+    if server.mode == "managed" and server.max_restarts > 0 and server.outage_wait_s > 0:
+        return max(server.outage_wait_s, server.startup_timeout_s + server.stop_grace_s)
+    return server.outage_wait_s
+
+
+def outage_allowance_s(config: PipelineConfig) -> float:
+    """Extra shard task time for waiting out outages: one per restart, plus one."""
+    restarts = config.server.max_restarts if config.server.mode == "managed" else 0
+    return (restarts + 1) * outage_wait_s(config)
+
+
+LOST_POLL_S = 1.0
+
+
 def _launcher(config: PipelineConfig) -> list[str]:
     server = config.server
     return list(server.command) if server.command else [server.python, "-m", "vllm.entrypoints.openai.api_server"]
 
 
 @contextlib.asynccontextmanager
-async def _managed(config: PipelineConfig, logger) -> AsyncIterator[Target]:
+async def _managed(config: PipelineConfig, logger) -> AsyncIterator[Serving]:
     from eagle3.models import resolve_model, template_hash
     from eagle3.serving.managed import ManagedServer
 
@@ -47,17 +116,21 @@ async def _managed(config: PipelineConfig, logger) -> AsyncIterator[Target]:
     )
     try:
         await asyncio.to_thread(managed.start)
+        managed.supervise(server.max_restarts)
         os.environ[MANAGED_KEY_ENV] = managed.api_key
-        yield Target((managed.base_url,), MANAGED_KEY_ENV, name, template_hash(model_path))
-        # A server that died mid-run shows up as connection failures in the shards; say why.
-        managed.check()
+        # The caller reads Serving.lost: a server gone for good (past server.max_restarts) is
+        # reported after the stage's accounting is written, not instead of it.
+        yield Serving(Target((managed.base_url,), MANAGED_KEY_ENV, name, template_hash(model_path)), managed)
+        if managed.restarts:
+            logger.warning("the vLLM server was restarted %d time(s) during this flow (server.max_restarts=%d): %s",
+                           managed.restarts, server.max_restarts, managed.restart_events)
     finally:
         os.environ.pop(MANAGED_KEY_ENV, None)
         await asyncio.to_thread(managed.stop)
 
 
 @contextlib.asynccontextmanager
-async def _external(config: PipelineConfig, logger) -> AsyncIterator[Target]:
+async def _external(config: PipelineConfig, logger) -> AsyncIterator[Serving]:
     from eagle3.serving.external import check_replicas
 
     server = config.server
@@ -68,9 +141,9 @@ async def _external(config: PipelineConfig, logger) -> AsyncIterator[Target]:
         logger.warning("replica %s is not usable: %s", url, why)
     if not healthy:
         raise RuntimeError(f"no replica of {server.urls} answered /health and /v1/models: {bad}")
-    yield Target(tuple(healthy), server.api_key_env, server.served_model_name or server.model, "")
+    yield Serving(Target(tuple(healthy), server.api_key_env, server.served_model_name or server.model, ""))
 
 
 def target_server(config: PipelineConfig, logger):
-    """``async with target_server(config, logger) as target:`` -> URLs, key env var, model name."""
+    """``async with target_server(config, logger) as serving:`` -> serving.target (URLs, key env var, model name)."""
     return _managed(config, logger) if config.server.mode == "managed" else _external(config, logger)

@@ -12,8 +12,16 @@ Design choices:
   ``[0, min(max, base * 2^(attempt-1))]``), and a server's Retry-After is honoured.
   Permanent failures (400 prompt too long, 401, 404, ...) are recorded once with the
   server's own message.
-- Replicas are chosen by least outstanding requests; a replica that refuses connections
-  is skipped for a few seconds so its requests move to the others.
+- Replicas are chosen by least outstanding requests, and a retry goes to another replica
+  than the one that just failed when there is one. A replica that refuses connections
+  (or drops two in a row) is *benched*: no request goes to it until a probe of its
+  ``/v1/models`` (every ``PROBE_EVERY_S``, with the key) answers 200. Probing instead of
+  sending real requests means a dead replica costs each prompt at most the attempt that
+  found it dead, however long it stays down.
+- When every replica is benched (the one managed server is restarting; an operator is
+  restarting the fleet) requests *wait* for one to come back instead of spending their
+  attempts in a few seconds of backoff -- bounded by ``outage_wait_s`` per outage, after
+  which they go out, fail, and the shard task's retry takes over.
 - Each replica is served by several small HTTP clients (``CONNECTIONS_PER_CLIENT``
   connections each) rather than one big one: httpcore scans its whole pool for every
   request, so one client with 1024 connections spends most of its CPU in that scan
@@ -23,8 +31,10 @@ Design choices:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import email.utils
 import json
+import logging
 import random
 import time
 from collections import Counter
@@ -37,7 +47,14 @@ import openai
 from eagle3.config import GenerationConfig
 
 TRANSIENT_STATUS = {408, 409, 425, 429}
-DOWN_FOR_S = 5.0
+# A benched replica comes back when a probe answers; without a running event loop (no
+# probe possible) it comes back after BENCH_S. A running probe keeps extending the bench.
+BENCH_S = 30.0
+PROBE_EVERY_S = 1.0
+PROBE_TIMEOUT = httpx.Timeout(5.0, connect=2.0)
+# One dropped connection can be a single bad request; two in a row with no success between is the replica.
+DROPS_BEFORE_BENCH = 2
+WAIT_POLL_S = 0.25
 CONNECTIONS_PER_CLIENT = 32
 
 
@@ -66,6 +83,8 @@ class Endpoint:
     outstanding: int = 0
     down_until: float = 0.0
     busy: list[int] = field(default_factory=list)  # requests in flight per client
+    drops: int = 0  # connection failures since the last answer
+    probe: asyncio.Task | None = None
 
     def __post_init__(self) -> None:
         self.busy = [0] * len(self.clients)
@@ -88,32 +107,115 @@ class Lease:
 
 
 class EndpointPool:
-    """Replicas of one model; each request goes to the healthy one with the fewest in flight."""
+    """Replicas of one model; each request goes to the healthy one with the fewest in flight.
 
-    def __init__(self, base_urls: list[str], api_key: str | None, max_connections: int, deadline: float):
+    outage_wait_s: how long requests wait while every replica is benched (0: never wait).
+    benched: {base URL: times benched}, for the task's log.
+    """
+
+    def __init__(self, base_urls: list[str], api_key: str | None, max_connections: int, deadline: float,
+                 outage_wait_s: float = 0.0, logger: logging.Logger | logging.LoggerAdapter | None = None):
         if not base_urls:
             raise ValueError("no server URLs to send requests to")
         n_clients = max(1, -(-max_connections // CONNECTIONS_PER_CLIENT))
         per_client = -(-max_connections // n_clients)
         self.endpoints = [Endpoint(url, [_client(url, api_key, per_client, deadline) for _ in range(n_clients)]) for url in base_urls]
+        self.outage_wait_s = outage_wait_s
+        self.log = logger or logging.getLogger(__name__)
+        self.benched: Counter = Counter()
+        self._api_key = api_key
+        self._outage_since: float | None = None
 
-    def acquire(self) -> Lease:
-        now = time.monotonic()
-        up = [e for e in self.endpoints if e.down_until <= now] or sorted(self.endpoints, key=lambda e: e.down_until)[:1]
-        chosen = min(up, key=lambda e: e.outstanding)
+    def _up(self, now: float) -> list[Endpoint]:
+        return [e for e in self.endpoints if e.down_until <= now]
+
+    def acquire(self, avoid: Endpoint | None = None) -> Lease:
+        """A lease on the least busy replica that is up, other than ``avoid`` when possible."""
+        up = self._up(time.monotonic())
+        candidates = [e for e in up if e is not avoid] or up or sorted(self.endpoints, key=lambda e: e.down_until)[:1]
+        chosen = min(candidates, key=lambda e: e.outstanding)
         index = min(range(len(chosen.busy)), key=chosen.busy.__getitem__)
         chosen.outstanding += 1
         chosen.busy[index] += 1
         return Lease(chosen, index)
 
-    def release(self, lease: Lease, refused: bool = False) -> None:
-        lease.endpoint.outstanding -= 1
-        lease.endpoint.busy[lease.index] -= 1
-        if refused:
-            lease.endpoint.down_until = time.monotonic() + DOWN_FOR_S
+    def release(self, lease: Lease, refused: bool = False, failure: Failure | None = None) -> None:
+        """Give the lease back with what happened: success (no failure), refused, or a classified failure."""
+        e = lease.endpoint
+        e.outstanding -= 1
+        e.busy[lease.index] -= 1
+        kind = "connect_error" if refused else (failure.kind if failure else None)
+        if kind is None:
+            e.drops = 0
+            self._unbench(e, "answered a request")
+        elif kind == "connect_error":
+            e.drops += 1
+            self._bench(e, "refuses connections")
+        elif kind == "connection_error":
+            e.drops += 1
+            if e.drops >= DROPS_BEFORE_BENCH:
+                self._bench(e, f"dropped {e.drops} connections in a row")
+        elif kind.startswith("http_"):
+            e.drops = 0  # it answered: alive, whatever it said
+
+    def _bench(self, e: Endpoint, why: str) -> None:
+        now = time.monotonic()
+        if e.down_until > now:
+            return  # already benched: one outage, one bench
+        e.down_until = now + BENCH_S
+        self.benched[e.base_url] += 1
+        self.log.warning("replica %s %s: benched, its requests go elsewhere until /v1/models answers again", e.base_url, why)
+        try:
+            e.probe = asyncio.get_running_loop().create_task(self._probe_until_back(e))
+        except RuntimeError:
+            pass  # no loop (sync caller): the bench ends after BENCH_S
+
+    def _unbench(self, e: Endpoint, why: str) -> None:
+        if e.down_until == 0.0:
+            return
+        e.down_until, e.drops = 0.0, 0
+        self.log.warning("replica %s %s: back in use", e.base_url, why)
+        if e.probe is not None and e.probe is not asyncio.current_task():
+            e.probe.cancel()
+        e.probe = None
+
+    async def _probe_until_back(self, e: Endpoint) -> None:
+        headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
+        async with httpx.AsyncClient(timeout=PROBE_TIMEOUT, headers=headers) as http:
+            while e.down_until > 0.0:
+                await asyncio.sleep(PROBE_EVERY_S)
+                try:
+                    answered = (await http.get(f"{e.base_url.rstrip('/')}/models")).status_code == 200
+                except httpx.HTTPError:
+                    answered = False
+                if answered:
+                    self._unbench(e, "answers /v1/models again")
+                    return
+                # Still down: keep it benched while we look (the timer is only the no-probe fallback).
+                e.down_until = max(e.down_until, time.monotonic() + BENCH_S)
+
+    async def wait_available(self) -> None:
+        """Hold the caller while every replica is benched, for at most outage_wait_s per outage."""
+        if self.outage_wait_s <= 0:
+            return
+        while not self._up(now := time.monotonic()):
+            if self._outage_since is None:
+                self._outage_since = now
+                self.log.warning("every replica is benched: requests wait up to %.0f s for one to answer again", self.outage_wait_s)
+            if now - self._outage_since >= self.outage_wait_s:
+                return  # waited long enough: requests go out, fail, and the shard retry takes over
+            await asyncio.sleep(WAIT_POLL_S)
+        if self._outage_since is not None:
+            self.log.warning("a replica is back after %.1f s with every replica benched", time.monotonic() - self._outage_since)
+            self._outage_since = None
 
     async def close(self) -> None:
         for e in self.endpoints:
+            if e.probe is not None:
+                e.probe.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await e.probe
+                e.probe = None
             for client in e.clients:
                 await client.close()
 
@@ -233,15 +335,18 @@ async def request_with_retries(pool: EndpointPool, body: dict, gen: GenerationCo
     """Run one prompt to a parsed result or a final failure: (result, failure, attempts, latency_s)."""
     deadline = deadline_s(gen)
     started = time.monotonic()
+    last = None
     for attempt in range(1, gen.max_attempts + 1):
-        endpoint = pool.acquire()
+        await pool.wait_available()
+        endpoint = pool.acquire(avoid=last)
         try:
             result = parse_response(await _attempt(endpoint, body, deadline))
             pool.release(endpoint)
             return result, None, attempt, time.monotonic() - started
         except (Exception, TimeoutError) as exc:  # every attempt's failure is classified, none escapes
             failure = classify(exc)
-            pool.release(endpoint, refused=failure.kind == "connect_error")
+            pool.release(endpoint, failure=failure)
+            last = endpoint.endpoint
         if not failure.transient or attempt == gen.max_attempts:
             return None, failure, attempt, time.monotonic() - started
         stats.retries[failure.kind] += 1

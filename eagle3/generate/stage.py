@@ -78,8 +78,11 @@ def _unfinished(config: PipelineConfig, shard: Path) -> dict:
     return {"in": len(ids), "ok": len(ok), "filtered": len(filtered), "failed": failed, "retryable": failed}
 
 
-def record(config: PipelineConfig, summary: dict, model: str) -> dict:
-    """Write the stage's manifest entry; raise GenerationFailed past the threshold."""
+def record(config: PipelineConfig, summary: dict, model: str, server: dict | None = None) -> dict:
+    """Write the stage's manifest entry; raise GenerationFailed past the threshold.
+
+    server: what happened to the server during the stage (e.g. server_restarts), recorded as is.
+    """
     gen = config.generation
     fraction = summary["failed"] / summary["in"] if summary["in"] else 0.0
     error = None
@@ -93,7 +96,7 @@ def record(config: PipelineConfig, summary: dict, model: str) -> dict:
     counts = StageCounts(summary["in"], summary["ok"], summary["failed"], summary["filtered"], {**reasons, **summary["errors"]})
     entry = record_stage(
         config.run_dir, STAGE, counts, status="failed" if error else "ok", error=error, model=model,
-        config_hash=section_hash(gen), deadline_s=deadline_s(gen), versions=versions("openai", "httpx"),
+        config_hash=section_hash(gen), deadline_s=deadline_s(gen), versions=versions("openai", "httpx"), **(server or {}),
     )
     if error:
         raise GenerationFailed(error)

@@ -3,7 +3,8 @@
 The pipeline venv has no vllm: this module writes a request file, runs
 ``vllm_worker.py`` (beside this file) with the vLLM venv's python under a deadline,
 streams the worker's output to a logger and reads back the one safetensors file it
-writes. Only numpy, safetensors and the standard library are used here.
+writes. Only numpy, safetensors, the standard library and eagle3.serving.orphans (the
+worker group dies with this process) are used here.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ logger = logging.getLogger(__name__)
 WORKER = Path(__file__).resolve().parent / "vllm_worker.py"
 REQUEST_NAME = "vllm_hidden_request.json"
 OUTPUT_NAME = "vllm_hidden_states.safetensors"
+PIDFILE_NAME = "vllm_worker.pid"
 TAIL_LINES = 20
 KILL_GRACE_S = 10.0
 
@@ -82,7 +84,7 @@ def extract_with_vllm(
     request_path = work_dir / REQUEST_NAME
     write_json_atomically(request_path, request)
 
-    tail = run_worker([python, str(WORKER), str(request_path)], env, timeout_s, log)
+    tail = run_worker([python, str(WORKER), str(request_path)], env, timeout_s, log, pidfile=work_dir / PIDFILE_NAME)
     if not output.exists():
         raise VllmExtractError(f"vLLM worker exited cleanly but wrote no {output}" + render(tail))
     return read_output(output, samples, len(layer_ids), tail)
@@ -102,16 +104,23 @@ def render(tail) -> str:
     return ("\n--- last vLLM worker output ---\n" + "\n".join(lines)) if lines else ""
 
 
-def run_worker(command: list[str], env: dict | None, timeout_s: float, log) -> collections.deque:
+def run_worker(command: list[str], env: dict | None, timeout_s: float, log, pidfile: Path | None = None) -> collections.deque:
     """Run the worker in its own process group; return its last output lines.
 
     stdout and stderr share one pipe (vLLM logs to both), read by a thread that
     forwards each line to ``log`` so a stalled worker cannot block the deadline.
+    The group dies with this process even when it is SIGKILLed (a guard, see
+    eagle3/serving/orphans.py); with ``pidfile``, a worker group that a killed earlier
+    run left behind (guard gone too) is stopped before this one starts.
     """
+    from eagle3.serving import orphans
+
     full_env = dict(os.environ)
     full_env.update({k: str(v) for k, v in (env or {}).items()})
     full_env.setdefault("HF_HUB_OFFLINE", "1")
     tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
+    if pidfile is not None:
+        orphans.reap_stale(pidfile, KILL_GRACE_S, log)
     began = time.monotonic()
     try:
         proc = subprocess.Popen(
@@ -129,6 +138,7 @@ def run_worker(command: list[str], env: dict | None, timeout_s: float, log) -> c
             log.info("vllm: %s", line)
 
     pgid = proc.pid  # start_new_session: the worker leads its own process group
+    orphans.guard_group(pgid, pidfile=pidfile, grace_s=KILL_GRACE_S)
     reader = threading.Thread(target=pump, name="vllm-worker-log", daemon=True)
     reader.start()
     try:
@@ -141,9 +151,11 @@ def run_worker(command: list[str], env: dict | None, timeout_s: float, log) -> c
         ) from None
     except BaseException:
         kill_group(proc, pgid)
+        orphans.release(pgid)
         raise
     # Anything the worker left behind (an engine-core child, say) goes with it.
     kill_group(proc, pgid, grace_s=2.0)
+    orphans.release(pgid)
     reader.join(timeout=5)
     log.info("vLLM worker finished in %.1f s (exit %s)", time.monotonic() - began, rc)
     if rc != 0:

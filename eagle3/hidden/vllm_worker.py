@@ -284,7 +284,7 @@ def run(request_path: str) -> None:
 
     output = Path(request["output"]).expanduser().absolute()
     parts_dir = output.parent / f".{output.name}.parts"
-    shutil.rmtree(parts_dir, ignore_errors=True)
+    parts_dir.unlink() if parts_dir.is_symlink() else shutil.rmtree(parts_dir, ignore_errors=True)
     parts_dir.mkdir(parents=True)
 
     # In-process engine: the connector runs in this process and nothing is left behind.
@@ -311,7 +311,7 @@ def run(request_path: str) -> None:
         write_output(tensors, output)
         say(f"wrote {output}")
     finally:
-        shutil.rmtree(parts_dir, ignore_errors=True)
+        parts_dir.unlink() if parts_dir.is_symlink() else shutil.rmtree(parts_dir, ignore_errors=True)
 
 
 def main(argv: list[str]) -> int:

@@ -32,9 +32,19 @@ Design choices:
 - Cleanup runs on normal exit, on exceptions and KeyboardInterrupt (``__exit__``) and at
   interpreter exit (``atexit``). It cannot run when this process is SIGKILLed; we do not
   use PR_SET_PDEATHSIG for that, because it fires when the *thread* that spawned the
-  child ends, and orchestrators start servers from worker threads.
+  child ends, and orchestrators start servers from worker threads. Instead a guard
+  process (orphans.py) stops the group when this process dies, and a pidfile next to the
+  log (``server.pid``) lets the next start reap a group whose guard died too.
 - One object = one server run: start() after stop() is refused rather than reusing a
-  half-torn-down state.
+  half-torn-down state. Within that run, restart() brings a server whose process exited
+  back on the *same* port with the *same* key, so clients that hold the URL and key keep
+  working; the old group is killed first (vLLM's engine-core child can outlive the API
+  process and hold the memory). ``supervise(max_restarts)`` does that automatically from
+  a thread that watches the process: bounded, because a server that keeps dying (bad
+  flag, out of memory at load) must end the run, not loop. Past the bound, ``lost``
+  holds the error for the caller to act on.
+- ``api_key`` may be given instead of generated: several replicas that share one key
+  (external mode reads one key variable), or a caller that must keep a key across objects.
 """
 
 from __future__ import annotations
@@ -55,6 +65,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import httpx
+
+from eagle3.serving import orphans
 
 LOG_TAIL_LINES = 40
 POLL_INTERVAL_S = 0.5
@@ -258,6 +270,7 @@ class ManagedServer:
         stop_grace_s: float = 30.0,
         logger: logging.Logger | logging.LoggerAdapter | None = None,
         health_interval_s: float = 10.0,
+        api_key: str | None = None,
     ) -> None:
         if not command:
             raise ValueError("command must name the server launcher")
@@ -267,7 +280,9 @@ class ManagedServer:
                 raise ValueError(f"{name} must be > 0, got {value}")
         env = dict(env or {})
         if "VLLM_API_KEY" in env:
-            raise ValueError("env must not set VLLM_API_KEY: ManagedServer generates the key")
+            raise ValueError("env must not set VLLM_API_KEY: ManagedServer generates the key (or takes api_key=)")
+        if api_key is not None and (not api_key or api_key != api_key.strip()):
+            raise ValueError("api_key must be a non-empty string without surrounding whitespace")
         self.host, self.port = host, port if port is not None else free_port(host)
         self.model, self.served_model_name = model, served_model_name or model
         self.argv = build_argv(command, model, host, self.port, served_model_name, extra_args)
@@ -276,10 +291,11 @@ class ManagedServer:
         self.health_interval_s = health_interval_s
         self.logger = logger or logging.getLogger(__name__)
         self._env = env
-        self._api_key = secrets.token_urlsafe(32)
+        self._api_key = api_key or secrets.token_urlsafe(32)
         self._proc: subprocess.Popen | None = None
         self._pump: _OutputPump | None = None
         self._watcher: _HealthWatcher | None = None
+        self._supervisor: _Supervisor | None = None
         self._stopped = False
         self._lock = threading.Lock()
 
@@ -317,6 +333,21 @@ class ManagedServer:
     def last_error(self) -> str | None:
         return self._watcher.last_error if self._watcher else None
 
+    @property
+    def restarts(self) -> int:
+        """Restarts the supervisor has made (failed ones included)."""
+        return self._supervisor.restarts if self._supervisor else 0
+
+    @property
+    def restart_events(self) -> list[dict]:
+        """One entry per restart: when, how the server had ended, whether it came back."""
+        return list(self._supervisor.events) if self._supervisor else []
+
+    @property
+    def lost(self) -> ServerError | None:
+        """Set once the supervised server exited with no restart left; None while it runs."""
+        return self._supervisor.error if self._supervisor else None
+
     def log_tail(self) -> str:
         return self._pump.tail() if self._pump else ""
 
@@ -349,11 +380,49 @@ class ManagedServer:
         except BaseException:  # includes KeyboardInterrupt: never leave a half-started server
             self.stop_quietly()
             raise
+        self._ready(began)
+        return self
+
+    def _ready(self, began: float) -> None:
         self.logger.info("vLLM server ready at %s after %.1f s (pid %d)",
                          self.base_url, time.monotonic() - began, self.pid)
         self._watcher = _HealthWatcher(f"{self.root_url}/health", self.health_interval_s)
         self._watcher.start()
-        return self
+
+    def restart(self) -> None:
+        """Start the server again after its process exited: same port, key and flags.
+
+        What is left of the old group is killed first. ServerError when the old group
+        cannot be killed or the new server does not come up; the object then stays
+        restartable (its process is dead, its group gone). Refused after stop().
+        """
+        with self._lock:
+            if self._proc is None or self._stopped:
+                raise ServerError(f"vLLM server {self.base_url} was stopped (or never started); not restarting")
+            if self._proc.poll() is None:
+                raise RuntimeError("restart() is for a server whose process exited")
+            if self._watcher:
+                self._watcher.stop()
+            leftover = self._reap()
+            if leftover:
+                raise ServerError(f"vLLM server group {self._proc.pid}: pids {leftover} survived SIGKILL; not restarting on port {self.port}")
+            orphans.release(self._proc.pid)  # the old group is gone: its guard can go (_spawn guards the new one)
+            atexit.unregister(self.stop_quietly)  # _spawn registers it again
+            began = time.monotonic()
+            self._spawn()
+        self._wait_ready(began + self.startup_timeout_s)
+        self._ready(began)
+
+    def supervise(self, max_restarts: int, interval_s: float = POLL_INTERVAL_S) -> None:
+        """Watch the process from a thread; restart it when it exits, at most ``max_restarts`` times."""
+        if max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+        if self._proc is None or self._stopped:
+            raise RuntimeError("supervise() needs a started server")
+        if self._supervisor is not None:
+            raise RuntimeError("this server is supervised already")
+        self._supervisor = _Supervisor(self, max_restarts, interval_s)
+        self._supervisor.start()
 
     def _spawn(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -363,6 +432,8 @@ class ManagedServer:
                          " ".join(self.argv), sorted(self._env), self.log_path)
         # Unbuffered so print()/tqdm output arrives line by line, not in 8 KiB blocks.
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self._env, "VLLM_API_KEY": self._api_key}
+        pidfile = self.log_path.with_suffix(".pid")  # a server a SIGKILLed run left behind goes first
+        orphans.reap_stale(pidfile, self.stop_grace_s, self.logger)
         try:
             self._proc = subprocess.Popen(
                 self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -372,6 +443,7 @@ class ManagedServer:
             log_file.close()
             raise
         atexit.register(self.stop_quietly)
+        orphans.guard_group(self._proc.pid, pidfile=pidfile, grace_s=self.stop_grace_s, note=self.log_path)
         prefix = f"[vllm:{self.port}]"
         self._pump = _OutputPump(self._proc.stdout, log_file, self.logger, prefix, self._api_key)
         self._pump.start()
@@ -381,7 +453,7 @@ class ManagedServer:
         with httpx.Client(timeout=PROBE_TIMEOUT, trust_env=False) as client:
             while True:
                 if self._proc.poll() is not None:
-                    self.stop_quietly()  # orphaned grandchildren go too; the pump drains
+                    self._reap()  # orphaned grandchildren go too; the pump drains
                     raise self._exit_error("exited during startup")
                 last = self._probe_ready(client)
                 if last is None:
@@ -425,14 +497,16 @@ class ManagedServer:
         with self._lock:
             if self._proc is None or self._stopped:
                 return
+            if self._supervisor:
+                self._supervisor.halt()
             if self._watcher:
                 self._watcher.stop()
             began = time.monotonic()
-            leftover = self._terminate_group(self._proc.pid)
-            self._proc.wait()
-            self._pump.join(READER_JOIN_S)  # EOF once every writer of the pipe is gone
+            leftover = self._reap()
             self._stopped = True
             atexit.unregister(self.stop_quietly)
+        if self._supervisor and self._supervisor is not threading.current_thread():
+            self._supervisor.join(READER_JOIN_S)  # a restart in progress sees its server gone and ends
         if leftover:
             raise ServerError(f"vLLM server group {self._proc.pid}: pids {leftover} survived SIGKILL")
         self.logger.info("vLLM server %s stopped in %.1f s (exit %s)",
@@ -444,6 +518,14 @@ class ManagedServer:
             self.stop()
         except Exception as exc:  # noqa: BLE001 - cleanup must go on
             self.logger.error("stopping vLLM server failed: %s", exc)
+
+    def _reap(self) -> list[int]:
+        """Kill what is left of the current process group and drain its output; returns the
+        pids that survived SIGKILL. Does not mark the object stopped (restart() reuses it)."""
+        leftover = self._terminate_group(self._proc.pid)
+        self._proc.wait()
+        self._pump.join(READER_JOIN_S)  # EOF once every writer of the pipe is gone
+        return leftover
 
     def _terminate_group(self, pgid: int) -> list[int]:
         """SIGTERM, grace, SIGKILL; return the pids still alive at the end."""
@@ -469,16 +551,83 @@ class ManagedServer:
     # -- errors --------------------------------------------------------------------------
 
     def _exit_error(self, when: str) -> ServerError:
-        code = self._proc.returncode
-        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-        return ServerError(f"vLLM server {when} ({how}); log {self.log_path}, last lines:\n"
+        return ServerError(f"vLLM server {when} ({exit_description(self._proc.returncode)}); log {self.log_path}, last lines:\n"
                            f"{self.log_tail()}")
 
     def _timeout_error(self, last_probe: str) -> ServerError:
-        self.stop_quietly()
+        self._reap()
         return ServerError(f"vLLM server not ready within startup_timeout_s={self.startup_timeout_s:g} s "
                            f"(last probe: {last_probe}); log {self.log_path}, last lines:\n"
                            f"{self.log_tail()}")
+
+
+def exit_description(code: int | None) -> str:
+    """``killed by SIGKILL`` / ``exit code 3`` for a Popen returncode."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class _Supervisor(threading.Thread):
+    """Restarts a ManagedServer whose process exits, at most ``max_restarts`` times.
+
+    A restart that fails (crash at load, startup timeout) counts as one of them: a server
+    that cannot come back must end the run after a bounded number of tries.
+    """
+
+    def __init__(self, server: ManagedServer, max_restarts: int, interval_s: float) -> None:
+        super().__init__(name=f"vllm-supervisor {server.port}", daemon=True)
+        self._server, self.max_restarts, self._interval = server, max_restarts, interval_s
+        self._halted = threading.Event()
+        self.restarts = 0
+        self.events: list[dict] = []
+        self.error: ServerError | None = None
+
+    def halt(self) -> None:
+        self._halted.set()
+
+    def run(self) -> None:
+        server = self._server
+        while not self._halted.wait(self._interval):
+            proc = server._proc
+            if server._stopped:
+                return
+            if proc.poll() is None:
+                continue
+            if not self._restart(proc.returncode):
+                return
+
+    def _restart(self, code: int) -> bool:
+        """One dead process: restart it (True) or give up (False)."""
+        server = self._server
+        server._pump.join(0.5)  # the dying server's last lines belong in the message
+        how, tail = exit_description(code), server.log_tail()
+        if self.restarts >= self.max_restarts:
+            self.error = ServerError(
+                f"vLLM server {server.base_url} exited while running ({how}) and max_restarts={self.max_restarts} "
+                f"restarts are used up; log {server.log_path}, last lines:\n{tail}")
+            server.logger.error("%s", self.error)
+            return False
+        self.restarts += 1
+        event = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "exit": how, "restarted": False}
+        self.events.append(event)
+        server.logger.warning("vLLM server %s exited while running (%s): restart %d of %d on the same port and key; log %s, last lines:\n%s",
+                              server.base_url, how, self.restarts, self.max_restarts, server.log_path, tail)
+        began = time.monotonic()
+        try:
+            server.restart()
+        except ServerError as exc:
+            if server._stopped or self._halted.is_set():
+                return False
+            server.logger.error("vLLM server restart %d of %d failed: %s", self.restarts, self.max_restarts, exc)
+            return True  # the next poll sees the dead process and counts the next try
+        event.update(restarted=True, startup_s=round(time.monotonic() - began, 1))
+        return True
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:

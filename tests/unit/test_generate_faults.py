@@ -205,3 +205,99 @@ def test_requests_spread_over_replicas(tmp_path):
         result = accounting(generate(config, shard, [a.base_url, b.base_url]))
         served = (a.stats()["completed"], b.stats()["completed"])
     assert result.ok == 40 and sum(served) == 40 and min(served) >= 10
+
+
+def generate_keeping_pool(config, shard, base_urls, outage_wait_s):
+    """generate() that hands back the pool too, for its bench counts."""
+    async def go():
+        pool = EndpointPool(base_urls, None, config.generation.concurrency, 30, outage_wait_s=outage_wait_s)
+        try:
+            result = await generate_shard(shard, Path(config.run_dir) / "generations", config.generation, "fake-target", pool)
+        finally:
+            await pool.close()
+        return result, pool
+
+    return asyncio.run(go())
+
+
+def stop_when(server_cm, server, completed: int, then=None):
+    """Exit a running fake server's context (its port then refuses) once it completed `completed` requests."""
+    import threading
+
+    def run():
+        deadline = time.monotonic() + 30
+        while server.stats(attempts=False)["completed"] < completed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        server_cm.__exit__(None, None, None)
+        if then:
+            then()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_stopped_replica_is_benched_and_its_requests_move_to_the_others(tmp_path):
+    config, shard = make_run(tmp_path, [f"replica {i}" for i in range(60)])
+    slow = FakeConfig(slots=4, tokens_per_s=400)  # ~0.16 s per request: the run lasts a few seconds
+    with run_fake_server(slow) as b:
+        a_cm = run_fake_server(slow)
+        a = a_cm.__enter__()
+        stopper = stop_when(a_cm, a, 10)
+        result, pool = generate_keeping_pool(config, shard, [a.base_url, b.base_url], outage_wait_s=30)
+        stopper.join(10)
+        served_b = b.stats()["completed"]
+    accounting(result)
+    assert (result.ok, result.failed) == (60, 0)
+    assert pool.benched == {a.base_url: 1}, "benched once, then kept out by probes, not by failed requests"
+    recs = records(config)
+    assert len({r["id"] for r in recs}) == 60
+    # A request in flight on A when it stopped lost that attempt and maybe one more finding A
+    # refusing; none spent its attempts on A (max_attempts=4).
+    assert max(r["attempts"] for r in recs) <= 3
+    assert 10 <= 60 - served_b <= 10 + 4, "after the stop A finished at most its 4 slots in flight; B served the rest"
+    done = json.loads(paths(Path(config.run_dir) / "generations", shard.name)["done"].read_text())
+    assert sum(done["retries"].values()) <= 8
+
+
+def test_requests_wait_out_a_restart_of_the_only_server(tmp_path):
+    from eagle3.serving.managed import free_port
+
+    config, shard = make_run(tmp_path, [f"restart {i}" for i in range(40)])
+    slow = FakeConfig(slots=4, tokens_per_s=400)
+    port = free_port()
+    back = {}
+
+    def restart():
+        time.sleep(3.0)  # down for 3 s: longer than the whole backoff budget (4 attempts x <= 0.2 s)
+        back["cm"] = run_fake_server(slow, port=port)
+        back["server"] = back["cm"].__enter__()
+
+    first_cm = run_fake_server(slow, port=port)
+    first = first_cm.__enter__()
+    stopper = stop_when(first_cm, first, 8, then=restart)
+    started = time.monotonic()
+    try:
+        result, pool = generate_keeping_pool(config, shard, [first.base_url], outage_wait_s=30)
+    finally:
+        stopper.join(10)
+        if "cm" in back:
+            back["cm"].__exit__(None, None, None)
+    accounting(result)
+    assert (result.ok, result.failed) == (40, 0), "no prompt failed while the server was down"
+    assert time.monotonic() - started >= 3.0
+    assert pool.benched == {first.base_url: 1}
+    assert max(r["attempts"] for r in records(config)) <= 3
+    assert not records(config, "failed")
+
+
+def test_waiting_for_a_dead_server_is_bounded(tmp_path):
+    from eagle3.serving.managed import free_port
+
+    config, shard = make_run(tmp_path, [f"dead {i}" for i in range(5)])
+    started = time.monotonic()
+    result, pool = generate_keeping_pool(config, shard, [f"http://127.0.0.1:{free_port()}/v1"], outage_wait_s=1.0)
+    accounting(result)
+    assert (result.ok, result.failed, result.retryable) == (0, 5, 5) and not result.complete
+    assert result.errors == {"connect_error": 5}
+    assert 1.0 <= time.monotonic() - started < 10

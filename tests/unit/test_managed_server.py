@@ -30,8 +30,13 @@ STAND_IN = textwrap.dedent(
     p.add_argument("--model"); p.add_argument("--host"); p.add_argument("--port", type=int)
     p.add_argument("--served-model-name"); p.add_argument("--behave", default="ok")
     p.add_argument("--delay", type=float, default=1.0); p.add_argument("--unhealthy-flag")
+    p.add_argument("--crash-if-exists")
     a, _ = p.parse_known_args()
     key = os.environ.get("VLLM_API_KEY")
+
+    if a.crash_if_exists and os.path.exists(a.crash_if_exists):
+        print("fatal: the crash flag is set", file=sys.stderr)
+        sys.exit(4)
 
     if a.behave == "crash":
         print("fatal: cannot load model weights", file=sys.stderr)
@@ -243,3 +248,71 @@ def test_constructor_rejects_conflicts_and_picks_a_port(tmp_path):
     assert server.base_url == f"http://127.0.0.1:{server.port}/v1"  # wildcard bind, loopback URL
     assert server.root_url == f"http://127.0.0.1:{server.port}"
     assert 0 < free_port() < 65536
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def serves_with_key(server: ManagedServer) -> bool:
+    try:
+        headers = {"Authorization": f"Bearer {server.api_key}"}
+        return httpx.get(f"{server.base_url}/models", headers=headers, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_supervisor_restarts_on_the_same_port_and_key_then_gives_up(make, tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    with make("ok", "--delay", "0.2") as server:
+        server.supervise(max_restarts=2, interval_s=0.1)
+        port, key = server.port, server.api_key
+        for n in (1, 2):
+            old_pid, old_grandchild = server.pid, grandchild_pid(tmp_path / "server.log")
+            os.killpg(old_pid, signal.SIGKILL)
+            wait_for(lambda: server.restarts == n and server.restart_events[-1]["restarted"], 20, f"restart {n}")
+            assert server.pid != old_pid and serves_with_key(server)
+            assert (server.port, server.api_key) == (port, key), "clients keep their URL and key"
+            assert not alive(old_pid) and not alive(old_grandchild)
+            assert server.lost is None
+        assert [e["exit"] for e in server.restart_events] == ["killed by SIGKILL"] * 2
+        assert all(e["restarted"] for e in server.restart_events)
+        assert "exited while running (killed by SIGKILL): restart 2 of 2" in caplog.text
+        os.killpg(server.pid, signal.SIGKILL)  # a third death: no restart left
+        wait_for(lambda: server.lost is not None, 10, "the supervisor to give up")
+        assert "max_restarts=2 restarts are used up" in str(server.lost)
+        assert "serving" in str(server.lost), "the log tail is part of the error"
+        assert server.restarts == 2 and not serves_with_key(server)
+    assert not alive(server.pid)
+
+
+def test_a_failed_restart_counts_against_the_limit(make, tmp_path):
+    flag = tmp_path / "crash"
+    with make("ok", "--delay", "0.2", "--crash-if-exists", str(flag)) as server:
+        server.supervise(max_restarts=1, interval_s=0.1)
+        flag.touch()  # from now on the server dies at startup
+        os.killpg(server.pid, signal.SIGKILL)
+        wait_for(lambda: server.lost is not None, 20, "the supervisor to give up")
+        assert server.restarts == 1 and server.restart_events[0]["restarted"] is False
+        assert "max_restarts=1" in str(server.lost) and "exit code 4" in str(server.lost)
+
+
+def test_stop_during_supervision_is_not_a_restart(make):
+    server = make("ok", "--delay", "0.2").start()
+    server.supervise(max_restarts=3, interval_s=0.05)
+    server.stop()
+    time.sleep(0.3)
+    assert server.restarts == 0 and server.lost is None and not alive(server.pid)
+    with pytest.raises(ServerError, match="stopped"):
+        server.restart()
+
+
+def test_given_api_key_is_used_and_validated(make, tmp_path):
+    with make("ok", "--delay", "0", api_key="shared-replica-key") as server:
+        assert server.api_key == "shared-replica-key" and serves_with_key(server)
+    for bad in ("", " padded "):
+        with pytest.raises(ValueError, match="api_key"):
+            ManagedServer(["vllm", "serve"], "m", log_path=tmp_path / "l", api_key=bad)

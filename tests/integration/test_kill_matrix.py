@@ -1,0 +1,329 @@
+"""`eagle3 run` SIGKILLed inside each stage in turn, rerun, and compared with uninterrupted runs.
+
+The CLI runs in its own session, as a terminal or scheduler starts it; each kill is a SIGKILL of
+its whole process group, so no cleanup code of the CLI runs. What must hold:
+- no process of the killed run survives it: the managed vLLM server (API server, EngineCore,
+  Worker, resource tracker) and torchrun run in their own sessions and are stopped by their
+  guards (eagle3/serving/orphans.py) within seconds;
+- the rerun after the last kill finishes with exit 0;
+- prepare's output is byte-identical to an uninterrupted prepare;
+- generation (sampled, so not comparable byte for byte) holds exactly one record
+  (ok, failed or filtered) per prepared prompt id, and in == ok + failed + filtered;
+- tokenize, vocab, extract and train, compared with an uninterrupted run of those stages on a
+  copy of the killed run's prompts and generations: tokenized Parquet, vocabulary and hidden
+  states byte-identical, and the training loss curve exactly equal (CPU training is
+  deterministic, and a resumed run repeats the uninterrupted run's steps).
+"""
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import PYTHON, ROOT
+
+pytestmark = pytest.mark.integration
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+needs_vllm = pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm (make venv-vllm builds it)")
+
+STAGES = ("prepare", "generate", "tokenize", "vocab", "extract", "train")
+# Small and quick; concurrency 2 stretches generation over seconds so the kill lands mid-shard;
+# small training batches and a checkpoint every 2 steps give a resume point inside training.
+SMALL = [
+    "data.limit=40", "data.num_shards=2", "generation.max_tokens=64", "generation.concurrency=2",
+    "train.epochs=2", "train.batch_tokens=512", "train.save_every_steps=2",
+    "evaluate.compare_untrained=false", "evaluate.num_prompts=2", "evaluate.max_tokens=16", "evaluate.temperatures=[0.0]",
+    f'server.python="{VLLM_PYTHON}"',
+]
+BEGIN = re.compile(r"Flow run '([^']+)' - Beginning subflow run '[^']+' for flow 'eagle3-(\w+)'")
+# Files whose content names the run dir or a time: compared with these keys dropped and the run dir replaced.
+VOLATILE_KEYS = {"seconds", "recorded_at", "written_at"}
+
+
+def _stat(pid: int):
+    """(state, ppid, session, start ticks) from /proc, or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return fields[0], int(fields[1]), int(fields[3]), int(fields[19])
+
+
+def process_table() -> dict[int, tuple]:
+    table = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (st := _stat(int(entry))):
+            table[int(entry)] = st
+    return table
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def live_in_sessions(sessions: dict[int, int]) -> list[str]:
+    """Live (not zombie) processes in any of ``sessions`` ({session id: its leader's start
+    ticks}), as 'pid cmdline' lines. A session id is a pid, and pids wrap (pid_max is 32768
+    here): a leader with that pid but another start time means the number was reused after
+    our session emptied, and its processes are someone else's."""
+    table = process_table()
+    return [f"{pid} {cmdline(pid)[:160]}" for pid, (state, _, sid, _) in table.items()
+            if sid in sessions and state != "Z" and (sid not in table or table[sid][3] == sessions[sid])]
+
+
+class Cli:
+    """One `eagle3` command in its own session; output collected; every descendant's session
+    recorded while it runs (vLLM and torchrun start their own), to look for survivors later."""
+
+    def __init__(self, args: list[str], env: dict, log: Path):
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen([PYTHON, "-m", "eagle3.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env=env, cwd=ROOT, start_new_session=True)
+        self.lines: list[str] = []
+        self.begun: dict[str, tuple[str, float]] = {}  # stage -> (flow run name, time its subflow began)
+        self.sessions: dict[int, int] = {}  # session id -> its leader's start ticks
+        self.seen: dict[int, str] = {}
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.log.write(line)
+            self.log.flush()
+            self.lines.append(line.rstrip("\n"))
+            if found := BEGIN.search(line):
+                self.begun.setdefault(found.group(2), (found.group(1), time.monotonic()))
+
+    def snapshot(self) -> None:
+        table = process_table()
+        if self.proc.pid in table:
+            self.sessions.setdefault(self.proc.pid, table[self.proc.pid][3])
+        children: dict[int, list[int]] = {}
+        for pid, (_, ppid, _, _) in table.items():
+            children.setdefault(ppid, []).append(pid)
+        todo = [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            for child in children.get(pid, []):
+                sid = table[child][2]
+                if sid in table:
+                    self.sessions.setdefault(sid, table[sid][3])
+                self.seen[child] = cmdline(child) or self.seen.get(child, "")  # after exec, not the forked parent's
+                todo.append(child)
+
+    def run_until(self, ready, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            self.snapshot()
+            if ready(self):
+                return True
+            time.sleep(0.02)
+        return False
+
+    def kill(self) -> None:
+        self.snapshot()
+        with contextlib.suppress(ProcessLookupError):  # it may have exited (then the test says why)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self.reader.join(5)
+
+    def wait(self, timeout_s: float) -> int:
+        deadline = time.monotonic() + timeout_s
+        while self.proc.poll() is None:
+            if time.monotonic() >= deadline:
+                self.kill()  # its guards stop whatever it started
+                raise AssertionError(f"`eagle3` still running after {timeout_s} s:\n" + self.tail())
+            self.snapshot()
+            time.sleep(0.2)
+        self.reader.join(5)
+        return self.proc.returncode
+
+    def inside(self, stage: str) -> bool:
+        """The stage's subflow began and had not finished (no 'Finished in state' line for it)."""
+        if stage not in self.begun or list(self.begun)[-1] != stage:
+            return False
+        name = self.begun[stage][0]
+        return not any(f"Flow run '{name}' - Finished in state" in line for line in self.lines)
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.lines[-n:])
+
+
+def shard_lines(folder: Path, pattern: str) -> int:
+    return sum(len(f.read_bytes().splitlines()) for f in folder.glob(pattern))
+
+
+def latest_step(run: Path) -> int:
+    try:
+        return json.loads((run / "checkpoints" / "latest.json").read_text())["step"]
+    except (OSError, ValueError):
+        return 10**9  # being replaced right now: not yet
+
+
+def since_begin(cli: Cli, stage: str) -> float:
+    return time.monotonic() - cli.begun[stage][1] if stage in cli.begun else -1.0
+
+
+def triggers(run: Path) -> dict:
+    """When to kill, per stage: as soon as it has begun and (where the stage is long enough to
+    tell) part of its output is on disk; a fallback delay keeps a fast stage from slipping by."""
+    return {
+        "prepare": lambda cli: "prepare" in cli.begun,
+        "generate": lambda cli: "generate" in cli.begun and shard_lines(run / "generations", "shard-?????.jsonl") >= 4,
+        "tokenize": lambda cli: "tokenize" in cli.begun and (any((run / "tokenized").glob("shard-*.done.json")) or since_begin(cli, "tokenize") > 4.0),
+        "vocab": lambda cli: "vocab" in cli.begun,
+        "extract": lambda cli: "extract" in cli.begun and (any((run / "hidden_states").glob("shard-*.done.json")) or since_begin(cli, "extract") > 6.0),
+        # A checkpoint, and a step logged after it: the resumed run must drop that line and redo the step.
+        "train": lambda cli: (run / "checkpoints" / "latest.json").exists() and shard_lines(run / "train", "log.jsonl") > latest_step(run),
+    }
+
+
+def partial_state(run: Path, stage: str) -> str:
+    """What the killed stage had on disk, for the test's report."""
+    if stage == "prepare":
+        return f"prompts/_SUCCESS.json {'present' if (run / 'prompts' / '_SUCCESS.json').exists() else 'absent'}"
+    if stage == "generate":
+        return f"{shard_lines(run / 'generations', 'shard-?????.jsonl')} records, {len(list((run / 'generations').glob('*.done.json')))}/2 shards done"
+    if stage == "tokenize":
+        return f"{len(list((run / 'tokenized').glob('*.done.json')))}/2 shards done"
+    if stage == "vocab":
+        return f"draft_vocab.safetensors {'present' if (run / 'vocab' / 'draft_vocab.safetensors').exists() else 'absent'}"
+    if stage == "extract":
+        return f"{len(list((run / 'hidden_states').glob('*.done.json')))}/2 shards done"
+    return f"checkpoint step {latest_step(run)}, {shard_lines(run / 'train', 'log.jsonl')} steps logged"
+
+
+def wait_no_survivors(sessions: dict[int, int], timeout_s: float = 45.0) -> float:
+    began = time.monotonic()
+    while (left := live_in_sessions(sessions)) and time.monotonic() - began < timeout_s:
+        time.sleep(0.2)
+    assert not left, "processes of the killed run are still alive:\n" + "\n".join(left)
+    return time.monotonic() - began
+
+
+def normalized_json(path: Path, run: Path):
+    def clean(value):
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items() if k not in VOLATILE_KEYS}
+        if isinstance(value, list):
+            return [clean(v) for v in value]
+        return value.replace(str(run), "RUN") if isinstance(value, str) else value
+
+    return clean(json.loads(path.read_text()))
+
+
+def assert_same_files(a_run: Path, b_run: Path, folder: str, patterns: tuple[str, ...]) -> list[str]:
+    """Every file matching ``patterns`` under ``folder`` exists in both runs with the same bytes
+    (JSON files: the same content once times are dropped and the run dir is replaced)."""
+    names = sorted({f.name for p in patterns for f in (a_run / folder).glob(p)})
+    other = sorted({f.name for p in patterns for f in (b_run / folder).glob(p)})
+    assert names and names == other, (folder, names, other)
+    for name in names:
+        a, b = a_run / folder / name, b_run / folder / name
+        if name.endswith(".json"):
+            assert normalized_json(a, a_run) == normalized_json(b, b_run), f"{folder}/{name} differs"
+        else:
+            assert a.read_bytes() == b.read_bytes(), f"{folder}/{name} differs from the uninterrupted run's"
+    return names
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@needs_vllm
+@pytest.mark.timeout(900)
+def test_sigkill_inside_each_stage_then_rerun_matches_uninterrupted(tmp_path):
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PYTHONUNBUFFERED": "1"}
+    env.pop("PREFECT_API_URL", None)
+    run, ref_prep, ref = tmp_path / "killed", tmp_path / "ref-prepare", tmp_path / "ref-stages"
+    sets = [a for s in SMALL for a in ("--set", s)]
+    in_run = lambda r: [*sets, "--set", f'run_dir="{r}"']  # noqa: E731
+    sessions: dict[int, int] = {}
+    report = []
+    began = time.monotonic()
+
+    # 1. Kill inside each stage in turn, each kill followed by a rerun.
+    for n, stage in enumerate(STAGES):
+        cli = Cli(["run", *in_run(run)], env, tmp_path / f"run-{n}-{stage}.log")
+        try:
+            reached = cli.run_until(triggers(run)[stage], timeout_s=240)
+        finally:
+            cli.kill()
+        assert reached, f"the run never reached the kill point in {stage} (exit {cli.proc.returncode}):\n{cli.tail()}"
+        assert cli.inside(stage), f"the kill meant for {stage} landed elsewhere (begun: {list(cli.begun)}):\n{cli.tail()}"
+        state = partial_state(run, stage)
+        seen = "\n".join(cli.seen.values())
+        if stage == "generate":
+            assert "vllm.entrypoints.openai.api_server" in seen and "VLLM::EngineCore" in seen, "the kill met a running vLLM server"
+        if stage == "train":
+            assert "torch.distributed.run" in seen and "eagle3.train.worker" in seen, "the kill met a running torchrun"
+        gone_s = wait_no_survivors(cli.sessions)
+        sessions |= cli.sessions
+        report.append(f"killed in {stage:8s} ({state}); its processes gone {gone_s:.1f} s after the kill")
+    final = Cli(["run", *in_run(run)], env, tmp_path / "run-final.log")
+    assert final.wait(600) == 0, final.tail()
+    sessions |= final.sessions
+    wait_no_survivors(sessions, timeout_s=30)
+    kill_matrix_s = time.monotonic() - began
+
+    # 2. Uninterrupted references: prepare alone, and tokenize..train on a copy of the killed run's inputs.
+    prep = Cli(["prepare", *in_run(ref_prep)], env, tmp_path / "ref-prepare.log")
+    assert prep.wait(180) == 0, prep.tail()
+    sessions |= prep.sessions
+    shutil.copytree(run / "prompts", ref / "prompts")
+    shutil.copytree(run / "generations", ref / "generations", ignore=shutil.ignore_patterns("*.lock", "*.pid", "*.log"))
+    for stage in ("tokenize", "vocab", "extract", "train"):
+        cli = Cli([stage, *in_run(ref)], env, tmp_path / f"ref-{stage}.log")
+        assert cli.wait(300) == 0, cli.tail()
+        assert "vllm.entrypoints" not in "\n".join(cli.seen.values()), "a complete generation dir needs no server"
+        sessions |= cli.sessions
+    wait_no_survivors(sessions, timeout_s=30)  # nothing any of these runs started is left
+
+    # 3. prepare: byte-identical.
+    assert_same_files(run, ref_prep, "prompts", ("shard-*.parquet", "rejected.jsonl", "_SUCCESS.json"))
+
+    # 4. generate: exactly one record per prepared prompt, and the accounting adds up.
+    import pyarrow.parquet as pq
+
+    prompt_ids = [i for f in sorted((run / "prompts").glob("shard-*.parquet")) for i in pq.read_table(f, columns=["id"]).column("id").to_pylist()]
+    records = [r["id"] for kind in ("jsonl", "failed.jsonl", "filtered.jsonl")
+               for f in sorted((run / "generations").glob(f"shard-?????.{kind}")) for r in read_jsonl(f)]
+    assert len(records) == len(set(records)), "a prompt has more than one generation record"
+    assert sorted(records) == sorted(prompt_ids), "generation records and prepared prompts differ"
+    manifest = json.loads((run / "manifest.json").read_text())["stages"]
+    gen = manifest["generate"]
+    assert gen["in"] == len(prompt_ids) == gen["ok"] + gen["failed"] + gen["filtered"], gen
+
+    # 5. tokenize, vocab, extract: byte-identical to the uninterrupted run.
+    assert_same_files(run, ref, "tokenized", ("shard-*.parquet", "shard-*.counts.safetensors", "shard-*.rejected.jsonl", "shard-*.done.json"))
+    assert_same_files(run, ref, "vocab", ("*",))
+    assert_same_files(run, ref, "hidden_states", ("shard-*.safetensors", "shard-*.index.json", "shard-*.done.json"))
+
+    # 6. train: resumed inside training, and the same loss curve (exactly) from the resumed step on.
+    resumed = [m for line in final.lines if (m := re.search(r"resumed from .* \(step (\d+) of (\d+)\)", line))]
+    assert resumed, "the final run did not resume training from a checkpoint"
+    step, total = int(resumed[0].group(1)), int(resumed[0].group(2))
+    assert 0 < step < total
+    curve = lambda r: [(x["step"], x["epoch"], x["lr"], x["loss"], x["loss_per_step"], x["tokens"]) for x in read_jsonl(r / "train" / "log.jsonl")]  # noqa: E731
+    killed_curve, ref_curve = curve(run), curve(ref)
+    assert [c[0] for c in killed_curve] == list(range(1, total + 1)), "one log line per step, none twice"
+    assert killed_curve == ref_curve, "the loss curve differs from the uninterrupted run's"
+    assert read_jsonl(run / "train" / "eval.jsonl") == read_jsonl(ref / "train" / "eval.jsonl")
+    final_ckpt = f"checkpoints/step-{total:06d}/model.safetensors"
+    assert (run / final_ckpt).read_bytes() == (ref / final_ckpt).read_bytes(), "final drafter weights differ"
+
+    print("\n".join(["", *report, f"training resumed at step {step} of {total}; loss curve and final weights equal to the uninterrupted run",
+                     f"kill matrix + final run: {kill_matrix_s:.0f} s; whole test {time.monotonic() - began:.0f} s"]))
