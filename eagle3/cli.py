@@ -172,6 +172,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from eagle3.manifest import AccountingError
     from eagle3.prepare.sources import SourceError
     from eagle3.prepare.stage import PrepareError
+    from eagle3.schemas import SchemaError, TokenizerMismatchError
     from eagle3.serving.managed import ServerError
     from eagle3.hidden.errors import USER_ERRORS as EXTRACT_ERRORS
     from eagle3.tokenize.stage import TokenizeInputError
@@ -179,7 +180,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from eagle3.export.layouts import ExportError
     from eagle3.train.stage import TrainDataError, TrainFailed, TrainInputError
 
-    return (ConfigError, SourceError, PrepareError, AccountingError, FileNotFoundError, GenerationFailed, MissingInputError, ServerError, TokenizeInputError, *EXTRACT_ERRORS, TrainDataError, TrainFailed, TrainInputError, ExportError, MissingInput, EvaluationFailed, DiskWriteError)
+    return (ConfigError, SourceError, PrepareError, AccountingError, FileNotFoundError, GenerationFailed, MissingInputError, ServerError, TokenizeInputError, *EXTRACT_ERRORS, TrainDataError, TrainFailed, TrainInputError, ExportError, MissingInput, EvaluationFailed, DiskWriteError,
+            SchemaError, TokenizerMismatchError)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,9 @@ from typing import Any
 class DiskWriteError(OSError):
     """A write to the run directory failed (disk full, quota, I/O error), named with its file."""
 
+    def __str__(self) -> str:  # the message alone: it names the file already, "[Errno 28]" adds nothing
+        return self.strerror or super().__str__()
+
 
 @contextlib.contextmanager
 def writing(path: str | Path, what: str) -> Iterator[None]:
@@ -119,3 +122,77 @@ def read_json(path: str | Path) -> Any:
         return json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not valid JSON ({exc})") from None
+
+
+# -- deleting inside the run directory ---------------------------------------------------------
+# Every deletion of run-dir content goes through remove_inside: whatever run_dir a config names
+# and whatever symlinks sit in the run dir, nothing outside the run dir is ever removed.
+# - The root is resolved (run_dir may itself be a symlink, e.g. to a bigger disk). The path's
+#   folder is resolved the way the kernel would (symlinks and ".." alike) and the last name is
+#   kept as it is, so a symlink is judged by where it sits, never by where it points.
+# - A path that is a symlink is unlinked as a link, whatever it points to; a real folder is
+#   removed with shutil.rmtree, which on Linux walks by file descriptor and unlinks the symlinks
+#   it meets instead of following them.
+# - A stage folder symlinked out of the run dir therefore holds nothing remove_inside will touch:
+#   put the whole run_dir on the other disk instead.
+
+_SYSTEM_DIRS = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/media", "/mnt", "/opt", "/proc", "/root",
+                "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var")
+
+
+class UnsafeDeleteError(RuntimeError):
+    """A deletion would reach outside the run directory (or remove the run directory itself)."""
+
+
+def unsafe_root_reason(folder: str | Path) -> str | None:
+    """Why ``folder`` must not be a run directory (a filesystem root, the home folder or a folder
+    holding it, a system folder), or None when it may be one."""
+    real = Path(os.path.realpath(os.path.expanduser(str(folder))))
+    if real == Path(real.anchor):
+        return f"it is the filesystem root {real.anchor!r}"
+    home = Path(os.path.realpath(os.path.expanduser("~")))
+    if real == home:
+        return f"it is the home folder {home}"
+    if real in home.parents:
+        return f"it holds the home folder {home}"
+    if str(real) in _SYSTEM_DIRS:
+        return f"it is the system folder {real}"
+    return None
+
+
+def remove_inside(path: str | Path, root: str | Path, *, missing_ok: bool = True, ignore_errors: bool = False) -> bool:
+    """Delete ``path`` (a file, a symlink or a folder tree) only when it lies strictly inside
+    ``root``; returns whether something was removed.
+
+    Raises UnsafeDeleteError, naming both paths, when ``path`` resolves outside ``root``, is
+    ``root`` itself, ends in ``.``/``..``, or when ``root`` is a filesystem root or the home folder.
+    ``ignore_errors`` covers OSErrors of the deletion itself, never the refusal."""
+    root_real = Path(os.path.realpath(root))
+    reason = unsafe_root_reason(root_real)
+    if reason is not None:
+        raise UnsafeDeleteError(f"refusing to delete {path}: its root {root} is not a safe run directory ({reason})")
+    text = os.fspath(path).rstrip(os.sep)
+    name = os.path.basename(text)
+    if name in ("", ".", ".."):
+        raise UnsafeDeleteError(f"refusing to delete {path}: it does not name an entry inside {root}")
+    # realpath, not abspath: "link/.." must go where the kernel goes, not where the text suggests
+    target = Path(os.path.realpath(os.path.dirname(text) or ".")) / name
+    if root_real not in target.parents:
+        raise UnsafeDeleteError(f"refusing to delete {path} (it is {target}): not strictly inside the run directory {root} (it is {root_real}). "
+                                "A stage folder symlinked out of the run dir is not the run's to clean: put the whole run_dir on that disk instead")
+    try:
+        if not os.path.lexists(target):
+            if missing_ok:
+                return False
+            raise FileNotFoundError(2, "No such file or directory", str(target))
+        if os.path.islink(target) or not os.path.isdir(target):
+            os.unlink(target)
+        else:
+            import shutil
+
+            shutil.rmtree(target)
+        return True
+    except OSError:
+        if ignore_errors:
+            return False
+        raise

@@ -37,14 +37,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle3.durable import fsync_dir, read_json, sha256_file
+from eagle3.durable import fsync_dir, read_json, remove_inside, sha256_file
 
 LAYOUTS = ("vllm", "sglang", "speculators")
 CONFIG = "config.json"
@@ -312,7 +311,7 @@ def install_folder(tmp: Path, final: Path) -> None:
     os.replace(tmp, final)
     fsync_dir(final.parent)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        remove_inside(old, final.parent, ignore_errors=True)
 
 
 def write_layout(out_dir: Path, config: dict, tensors: dict, info: dict) -> Path:
@@ -328,7 +327,7 @@ def write_layout(out_dir: Path, config: dict, tensors: dict, info: dict) -> Path
         install_folder(tmp, out_dir)
     finally:
         if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove_inside(tmp, out_dir.parent, ignore_errors=True)
     return out_dir
 
 

@@ -4,6 +4,8 @@ Design choices:
 - Each record is one line, written with a single ``write`` and flushed at once, so a
   killed process loses at most the line being written. ``fsync`` runs every few records
   and on close: a power cut loses at most that many records, and they are regenerated.
+- A write that fails (disk full) cuts the file back to its last whole record and raises
+  ``DiskWriteError``; the appender refuses further records, so no marker follows a lost write.
 - A reader repairs a torn last line (a write cut short by a kill) by truncating the file
   to the last newline, with a warning naming how many bytes went. A bad line *inside*
   the file is not a torn write but damage: that is an error naming the file and line.
@@ -11,11 +13,14 @@ Design choices:
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
+
+from eagle3.durable import DiskWriteError, writing
 
 log = logging.getLogger(__name__)
 
@@ -25,48 +30,106 @@ class RecordFileError(ValueError):
 
 
 class JsonlAppender:
-    """Appends one JSON object per line: flushed per record, fsynced every ``fsync_every``."""
+    """Appends one JSON object per line: flushed per record, fsynced every ``fsync_every``.
 
-    def __init__(self, path: str | Path, fsync_every: int = 16):
+    A write or fsync that fails (disk full, quota, I/O error) raises ``DiskWriteError`` naming the
+    file and the free space, after cutting the file back to its last whole record: a disk that
+    fills in the middle of a line leaves no torn record behind. The appender then refuses further
+    records (what an fsync failure left on disk is unknown), so the caller stops the shard and no
+    marker is written; the rerun resumes from the records that are whole."""
+
+    def __init__(self, path: str | Path, fsync_every: int = 16, what: str = "append"):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = open(self.path, "ab", buffering=0)
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._fsync_every = fsync_every
         self._unsynced = 0
+        self._what = what
+        self._broken = False
+
+    @property
+    def closed(self) -> bool:
+        return self._fd is None
 
     def append(self, record: dict, sync: bool = True) -> bool:
         """Write and flush one record. With ``sync=False`` the caller runs the due fsync itself
         (``sync_soon``) and this returns whether one is due."""
-        self._fh.write((json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8"))
+        self._write((json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8"))
         self._unsynced += 1
         due = self._unsynced >= self._fsync_every
         if due and sync:
             self.sync()
         return due
 
+    def _usable(self) -> int:
+        if self._fd is None:
+            raise ValueError(f"{self.path}: appender is closed")
+        if self._broken:
+            raise DiskWriteError(errno.EIO, f"{self._what}: {self.path}: an earlier write to this file failed; rerun to resume")
+        return self._fd
+
+    def _write(self, data: bytes) -> None:
+        fd = self._usable()
+        with writing(self.path, self._what):
+            start = os.fstat(fd).st_size  # where this record begins (O_APPEND: the end of the file)
+            try:
+                view = memoryview(data)
+                while view:  # a short write (disk filling up) is continued, and fails on the next call
+                    view = view[os.write(fd, view):]
+            except OSError:
+                self._broken = True
+                _cut_back(fd, start)
+                raise
+
     def sync(self) -> None:
         if self._unsynced:
+            fd = self._usable()
             self._unsynced = 0
-            os.fsync(self._fh.fileno())
+            with writing(self.path, self._what):
+                try:
+                    os.fsync(fd)
+                except OSError:
+                    self._broken = True
+                    raise
 
     async def sync_soon(self) -> None:
         """fsync in a worker thread: an event loop blocked in fsync stalls every request in flight."""
         import asyncio
 
-        if self._unsynced and not self._fh.closed:
+        if self._unsynced and self._fd is not None:
+            fd = self._usable()
             self._unsynced = 0
-            await asyncio.to_thread(os.fsync, self._fh.fileno())
+            with writing(self.path, self._what):
+                try:
+                    await asyncio.to_thread(os.fsync, fd)
+                except OSError:
+                    self._broken = True
+                    raise
 
     def close(self) -> None:
-        if not self._fh.closed:
-            self.sync()
-            self._fh.close()
+        """fsync what is unsynced and close; after a failed write, just close (the error was raised)."""
+        if self._fd is None:
+            return
+        try:
+            if not self._broken:
+                self.sync()
+        finally:
+            os.close(self._fd)
+            self._fd = None
 
     def __enter__(self) -> JsonlAppender:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _cut_back(fd: int, size: int) -> None:
+    """Drop the partial record a failed write left (truncating needs no free space)."""
+    try:
+        os.ftruncate(fd, size)
+    except OSError:
+        log.warning("could not cut a partial record off fd %d; the next reader repairs the torn tail", fd)
 
 
 def repair_torn_tail(path: Path, logger: logging.Logger | logging.LoggerAdapter | None = None) -> int:

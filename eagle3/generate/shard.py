@@ -16,6 +16,9 @@ Design choices:
   the shard's failed count is the ids whose last outcome was a failure.
 - A lock file stops two runners from writing the same shard at once (which would be
   the one way to get duplicates).
+- A write that fails (disk full) stops the shard with ``DiskWriteError`` naming the file and
+  the free space; the file keeps only whole records and no marker is written, so the rerun
+  resumes by id once there is space.
 - The marker is complete only when no prompt is left failed with a *transient* error:
   an incomplete shard is resumed by the next attempt or run; permanent failures
   (400 prompt too long, ...) are final and counted.
@@ -38,9 +41,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from eagle3.config import GenerationConfig
-from eagle3.durable import atomic_write_json, read_json, sha256_file
+from eagle3.durable import atomic_write_json, read_json, remove_inside, sha256_file, writing
 from eagle3.generate.client import EndpointPool, Stats, deadline_s, request_with_retries
 from eagle3.generate.records import JsonlAppender, read_ids
+from eagle3.schemas import PROMPT_COLUMNS, check_schema
 
 
 class ShardLockedError(RuntimeError):
@@ -78,6 +82,8 @@ def paths(out_dir: Path, shard_file: str) -> dict[str, Path]:
 
 
 def load_prompts(shard_path: Path) -> list[tuple[str, list[dict]]]:
+    """(id, messages) per prompt, after checking the shard has the prepare stage's columns."""
+    check_schema(shard_path, PROMPT_COLUMNS, "prompt shard (RUN/prompts)")
     table = pq.read_table(shard_path, columns=["id", "messages"])
     return list(zip(table.column("id").to_pylist(), table.column("messages").to_pylist()))
 
@@ -145,14 +151,15 @@ class _Run:
             return
         record = {"id": pid, **result, "sampling": self.sampling, "attempts": attempts, "latency_s": round(latency, 3)}
         self.stats.completion_tokens += len(result["completion_token_ids"] or [])
+        # A record counts once it is on disk: a write that fails raises before the id is counted.
         if result["finish_reason"] == "length" and not self.gen.keep_truncated:
+            await self.write("filtered", {**record, "reason": "truncated: finish_reason=length and generation.keep_truncated=false"})
             self.stats.filtered += 1
             self.filtered_ids.add(pid)
-            await self.write("filtered", {**record, "reason": "truncated: finish_reason=length and generation.keep_truncated=false"})
         else:
+            await self.write("ok", record)
             self.stats.done += 1
             self.ok_ids.add(pid)
-            await self.write("ok", record)
 
     async def write(self, stream: str, record: dict) -> None:
         """Append (flushed at once); the periodic fsync runs off the event loop."""
@@ -201,10 +208,11 @@ async def generate_shard(
         if marker is not None:
             log.info("%s: complete on disk, nothing to do", p["ok"].name)
             return _result_from_marker(p, shard_path.name, marker)
+        prompts = load_prompts(shard_path)  # a shard with the wrong columns stops here, before anything moves
         _set_aside_stale(p, key, log)
-        atomic_write_json(p["meta"], {"key": key, "model": model, "sampling": {"max_tokens": gen.max_tokens, "temperature": gen.temperature, "top_p": gen.top_p}})
-        p["done"].unlink(missing_ok=True)
-        prompts = load_prompts(shard_path)
+        with writing(p["meta"], "generate"):
+            atomic_write_json(p["meta"], {"key": key, "model": model, "sampling": {"max_tokens": gen.max_tokens, "temperature": gen.temperature, "top_p": gen.top_p}})
+        remove_inside(p["done"], out_dir)
         ok_ids, filtered_ids = _done_ids(p, log)
         workers = concurrency or gen.concurrency
         return await _generate(p, shard_path.name, prompts, ok_ids, filtered_ids, gen, model, pool, key, input_sha, log, progress, progress_every_s, workers)
@@ -216,18 +224,40 @@ async def _generate(p, shard_file, prompts, ok_ids, filtered_ids, gen, model, po
     ids = [i for i, _ in prompts]
     stats = Stats(total=len(ids), skipped=len(ok_ids | filtered_ids))
     log.info("%s: %d prompts, %d already on disk, deadline %.0f s per request", p["ok"].name, len(ids), stats.skipped, deadline_s(gen))
-    writers = {k: JsonlAppender(p[k], gen.fsync_every) for k in ("ok", "filtered", "failed")}
+    writers = {k: JsonlAppender(p[k], gen.fsync_every, what="generate") for k in ("ok", "filtered", "failed")}
     run = _Run(prompts, ok_ids, filtered_ids, gen, model, pool, writers, stats, log)
     reporter = asyncio.create_task(_report(stats, every_s, progress)) if progress else None
+    tasks = [asyncio.create_task(run.worker(random.Random(f"{key}:{k}"))) for k in range(workers)]
     try:
-        rngs = [random.Random(f"{key}:{k}") for k in range(workers)]
-        await asyncio.gather(*(run.worker(r) for r in rngs))
+        await asyncio.gather(*tasks)
+    except BaseException:
+        # A failed write (disk full) or a cancellation: stop the other workers before their files
+        # close, and raise the first error, not one from closing.
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        _close_all(writers, log, raise_first=False)
+        raise
     finally:
         if reporter:
             reporter.cancel()
-        for w in writers.values():
-            w.close()
+    _close_all(writers, log, raise_first=True)  # the last fsync; a failure raises DiskWriteError before any marker
     return _finish(p, shard_file, ids, run, key, input_sha, log, progress)
+
+
+def _close_all(writers: dict[str, JsonlAppender], log, raise_first: bool) -> None:
+    """Close every writer even when one fails; the first failure is raised or, when an earlier
+    error is already on its way up, only logged."""
+    first = None
+    for w in writers.values():
+        try:
+            w.close()
+        except OSError as exc:
+            first = first or exc
+            if not raise_first:
+                log.warning("%s", exc)
+    if raise_first and first is not None:
+        raise first
 
 
 def _finish(p, shard_file, ids, run: _Run, key, input_sha, log, progress) -> ShardResult:
@@ -246,7 +276,8 @@ def _finish(p, shard_file, ids, run: _Run, key, input_sha, log, progress) -> Sha
     for r in failed.values():
         errors[r["error_kind"]] = errors.get(r["error_kind"], 0) + 1
     snapshot = run.stats.snapshot()
-    atomic_write_json(p["done"], {"key": key, "input_sha256": input_sha, "counts": counts, "errors": errors, "retries": snapshot["retries"], "stats": snapshot})
+    with writing(p["done"], "generate"):
+        atomic_write_json(p["done"], {"key": key, "input_sha256": input_sha, "counts": counts, "errors": errors, "retries": snapshot["retries"], "stats": snapshot})
     if progress:
         progress(snapshot)
     log.info("%s: ok=%d filtered=%d failed=%d (retryable %d) of %d; %s", p["ok"].name, counts["ok"], counts["filtered"], counts["failed"], counts["retryable"], counts["in"], snapshot)

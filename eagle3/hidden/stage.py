@@ -26,7 +26,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from eagle3.config import PipelineConfig, section_hash
-from eagle3.durable import atomic_write_json, read_json, sha256_file, writing
+from eagle3.durable import atomic_write_json, read_json, remove_inside, sha256_file, writing
 from eagle3.hidden.errors import DiskSpaceError, ExtractInputError, StatesError
 from eagle3.hidden.store import StatesWriter, states_bytes
 
@@ -96,10 +96,15 @@ class Plan:
 
 
 def plan(config: PipelineConfig, shards: list[str]) -> Plan:
-    """Layer ids, keys and the disk bill, from the tokenized markers and the model's config."""
+    """Layer ids, keys and the disk bill, from the tokenized markers and the model's config.
+    Every shard is checked first (its hash, its columns, the tokenizer it was made with), so a
+    bad input stops the stage before any forward pass."""
     from eagle3.hidden.extract import model_fingerprint, num_layers_of, resolve_layer_ids
+    from eagle3.schemas import TOKENIZED_IDS, TOKENIZED_INPUT_IDS, TOKENIZED_NUM_TOKENS, check_schema, check_tokenizer, tokenizer_hash
+    from eagle3.tokenize.stage import tokenizer_path
 
-    path = model_path(config)
+    path, tok_path = model_path(config), tokenizer_path(config)
+    tok_hash = tokenizer_hash(tok_path)
     layers, hidden = num_layers_of(path)
     layer_ids = resolve_layer_ids(config.hidden_states.layer_ids, layers)
     fingerprint = model_fingerprint(path)
@@ -112,6 +117,8 @@ def plan(config: PipelineConfig, shards: list[str]) -> Plan:
         if not p["tokenized"].exists() or sha256_file(p["tokenized"]) != marker["parquet_sha256"]:
             raise ExtractInputError(f"{p['tokenized']} is missing or differs from what the tokenize stage wrote (its hash is in "
                                     f"{p['tok_done'].name}): truncated or replaced; run `eagle3 tokenize` again")
+        check_schema(p["tokenized"], (TOKENIZED_IDS, TOKENIZED_INPUT_IDS, TOKENIZED_NUM_TOKENS), "tokenized shard")
+        check_tokenizer(marker, p["tok_done"], tok_path, tok_hash, "extract")
         keys[shard] = _key(config, marker["parquet_sha256"], fingerprint, layer_ids)
         tokens[shard] = int(marker["result"]["tokens"])
         done[shard] = _is_done(p, keys[shard])
@@ -155,7 +162,7 @@ def extract_shard(config: PipelineConfig, shard: str, the_plan: Plan, replica: i
     if _is_done(p, key):
         result = read_json(p["done"])["result"]
         return ExtractResult(**{**result, "skipped": True})
-    p["done"].unlink(missing_ok=True)
+    remove_inside(p["done"], config.run_dir)
     ids, seqs = _tokenized(p, shard)
     started = time.perf_counter()
     hs = config.hidden_states
@@ -222,7 +229,7 @@ def _fill_with_vllm(config, shard: str, ids, seqs, the_plan: Plan, writer: State
                     raise StatesError(f"{shard}: vLLM returned {h.shape[0]} positions for {ids[k]!r}, which has {len(seqs[k])} tokens")
                 writer.write(k, h[:, :3, :].reshape(h.shape[0], -1), h[:, 3, :])
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        remove_inside(work, config.run_dir, ignore_errors=True)
 
 
 def _num_layers(config: PipelineConfig) -> int:

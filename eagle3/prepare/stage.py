@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eagle3.config import DataConfig, PipelineConfig, section_hash
-from eagle3.durable import atomic_path, atomic_write_json, install_file, read_json, sha256_file
+from eagle3.durable import atomic_path, atomic_write_json, install_file, read_json, remove_inside, sha256_file
 from eagle3.manifest import StageCounts, record_stage, versions
 from eagle3.prepare.normalize import Prompt, Rejected, candidates
 from eagle3.prepare.sources import Source
@@ -185,7 +185,7 @@ def _remove_stale(out: Path, keep: set[str], log: logging.Logger) -> None:
     for path in out.glob("shard-*.parquet"):
         if path.name not in keep:
             log.warning("prepare: removing %s left from an earlier run with more shards", path.name)
-            path.unlink()
+            remove_inside(path, out.parent, missing_ok=False)  # out.parent is run_dir
 
 
 def _rejection_error(data: DataConfig, tally: _Tally, out: Path) -> str | None:
@@ -213,9 +213,9 @@ def run_prepare(config: PipelineConfig, logger: logging.Logger | None = None) ->
     if done is not None:
         log.info("prepare: up to date (%s), nothing to do", out / MARKER)
         return PrepareResult(str(out), tuple(s["name"] for s in done["shards"]), done["counts"], fingerprint, True)
-    (out / MARKER).unlink(missing_ok=True)
+    remove_inside(out / MARKER, config.run_dir)
     for leftover in [*out.glob(".*.partial"), *out.glob(".*.tmp")]:
-        leftover.unlink()  # temporary files of a run that was killed
+        remove_inside(leftover, config.run_dir, missing_ok=False)  # temporary files of a run that was killed
     tally, shards = _write_shards(data, source, out, log)
     _remove_stale(out, {s["name"] for s in shards}, log)
     counts = StageCounts(tally.in_, tally.ok, 0, tally.in_ - tally.ok, dict(tally.reasons))

@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 import torch
 
 from eagle3.hidden.extract import length_batches
+from eagle3.schemas import TOKENIZED_IDS, TOKENIZED_INPUT_IDS, TOKENIZED_LOSS_MASK, check_schema
 from eagle3.train.split import is_heldout
 from eagle3.train.stage import TrainDataError
 
@@ -49,6 +50,7 @@ class Dataset:
             path = self.run / "tokenized" / shard
             if not (self.run / "tokenized" / f"{path.stem}.done.json").exists():
                 raise TrainDataError(f"{path}: not tokenized (no {path.stem}.done.json); run `eagle3 tokenize`")
+            check_schema(path, (TOKENIZED_IDS, TOKENIZED_INPUT_IDS, TOKENIZED_LOSS_MASK), "tokenized shard")
             table = pq.read_table(path, columns=["id", "input_ids", "loss_mask"])
             ids = table.column("id").to_pylist()
             if offline:

@@ -1,15 +1,16 @@
 """Stage ``train``: launch torchrun over the drafter's training and account for it.
 
-The Prefect task calls ``run_train``: it checks the inputs (tokenized shards, the draft
-vocabulary, stored states or online settings, layer ids the extraction used), writes the request
-file, starts ``torchrun`` as a subprocess in its own process group under
-``train.timeout_s`` (gloo on CPU, nccl on GPU: the worker picks), streams every output line to
-the logger, and records the manifest entry from ``train/result.json``. A rerun resumes from
-``checkpoints/latest.json``; a run that already reached its last step does no further step.
+The Prefect task calls ``run_train``: it checks the inputs (tokenized shards, their columns and
+the tokenizer they were made with, the draft vocabulary, stored states or online settings, layer
+ids the extraction used), writes the request file, starts ``torchrun`` as a subprocess in its own
+process group under ``train.timeout_s`` (gloo on CPU, nccl on GPU: the worker picks), streams
+every output line to the logger, and records the manifest entry from ``train/result.json``. A
+rerun resumes from ``checkpoints/latest.json``; a run that already reached its last step does no further step.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -22,10 +23,13 @@ import time
 from pathlib import Path
 
 from eagle3.config import PipelineConfig, section_hash
-from eagle3.durable import atomic_write_json, read_json
+from eagle3.durable import atomic_write_json, read_json, remove_inside
 
 
 STEP_LINE = re.compile(r"\[rank 0\] step (\d+)/(\d+)")
+# A worker's failed write (disk full) reaches us only as its traceback's last line; it is raised
+# here as the same DiskWriteError, so the user sees one line naming the file, not torchrun's dump.
+DISK_ERROR_LINE = re.compile(r"\bDiskWriteError: (.+)$")
 
 
 class TrainInputError(RuntimeError):
@@ -54,6 +58,24 @@ def layer_ids_for(config: PipelineConfig) -> list[int]:
     return list(entry["layer_ids"])
 
 
+def check_tokenized(config: PipelineConfig, shards: list[str]) -> None:
+    """Each tokenized shard is complete, has the columns training reads, and was made with the
+    tokenizer the config points at now: checked here, before torchrun starts, so a bad input is one
+    clear error rather than a worker's traceback."""
+    from eagle3.schemas import TOKENIZED_IDS, TOKENIZED_INPUT_IDS, TOKENIZED_LOSS_MASK, check_schema, check_tokenizer, tokenizer_hash
+    from eagle3.tokenize.stage import tokenizer_path
+
+    tok_path = tokenizer_path(config)
+    tok_hash = tokenizer_hash(tok_path)
+    for shard in shards:
+        path = Path(config.run_dir) / "tokenized" / shard
+        done = path.with_name(f"{path.stem}.done.json")
+        if not done.exists():
+            raise TrainDataError(f"{path}: not tokenized (no {done.name}); run `eagle3 tokenize`")
+        check_schema(path, (TOKENIZED_IDS, TOKENIZED_INPUT_IDS, TOKENIZED_LOSS_MASK), "tokenized shard")
+        check_tokenizer(read_json(done), done, tok_path, tok_hash, "train")
+
+
 def torchrun_argv(config: PipelineConfig, request: Path) -> list[str]:
     t = config.train
     argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={t.nproc_per_node}", f"--nnodes={t.nnodes}"]
@@ -76,32 +98,41 @@ def run_train(config: PipelineConfig, shards: list[str], logger=None, on_line=No
     if not vocab.exists():
         raise TrainInputError(f"{vocab} not found: run `eagle3 vocab` first")
     layer_ids = layer_ids_for(config)
+    check_tokenized(config, shards)
     out = run / "train"
     out.mkdir(parents=True, exist_ok=True)
     request = out / "request.json"
     result_path = out / "result.json"
-    result_path.unlink(missing_ok=True)
+    remove_inside(result_path, run)
     atomic_write_json(request, {"config": json.loads(config.model_dump_json()), "shards": shards, "model_path": resolve_model(config.server.model),
                                 "layer_ids": layer_ids, "result_path": str(result_path)})
     argv = torchrun_argv(config, request)
     log.info("train: %s", " ".join(argv))
     started = time.monotonic()
     threads = max(1, (os.cpu_count() or 1) // config.train.nproc_per_node)  # one process per core share, not oversubscribed
-    _run_streamed(argv, config.train.timeout_s, log, cwd=Path(__file__).resolve().parents[2], threads=threads, on_line=on_line)
+    _run_streamed(argv, config.train.timeout_s, log, cwd=Path(__file__).resolve().parents[2], threads=threads, on_line=on_line, pidfile=out / "torchrun.pid")
     result = read_json(result_path)
     return record(config, result, layer_ids, time.monotonic() - started)
 
 
-def _run_streamed(argv: list[str], timeout_s: float, log, cwd: Path, threads: int, on_line=None) -> None:
+def _run_streamed(argv: list[str], timeout_s: float, log, cwd: Path, threads: int, on_line=None, pidfile: Path | None = None) -> None:
+    from eagle3.serving import orphans
+
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
+    if pidfile is not None:  # a torchrun that a SIGKILLed run left behind would train into the same checkpoints
+        orphans.reap_stale(pidfile, 15.0, log)
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd, start_new_session=True)
+    orphans.guard_group(proc.pid, pidfile=pidfile, grace_s=15.0)  # the group dies with this process, even by SIGKILL
     tail: list[str] = []
+    disk_errors: list[str] = []
 
     def pump() -> None:
         for line in proc.stdout:
             line = line.rstrip()
             tail.append(line)
             del tail[:-40]
+            if found := DISK_ERROR_LINE.search(line):
+                disk_errors.append(found.group(1))
             log.info("%s", line)
             if on_line is not None:
                 try:
@@ -121,6 +152,10 @@ def _run_streamed(argv: list[str], timeout_s: float, log, cwd: Path, threads: in
         raise
     finally:
         reader.join(timeout=10)
+    if code != 0 and disk_errors:
+        from eagle3.durable import DiskWriteError
+
+        raise DiskWriteError(errno.EIO, disk_errors[0])
     if code != 0:
         raise TrainFailed(f"torchrun exited with code {code}; last lines:\n" + "\n".join(tail[-20:]))
 

@@ -10,15 +10,18 @@ optimizer state (``optimizer.pt``, loaded back with ``weights_only=True``: tenso
 never arbitrary pickles) and ``trainer_state.json`` (step, epoch, best). The learning rate is a
 pure function of the step and the data order a pure function of (seed, epoch), and nothing is
 random after initialisation, so a resumed run repeats the uninterrupted run's steps exactly.
-Each checkpoint is written to a hidden folder and renamed; ``latest.json`` moves last.
+Each checkpoint is written to a hidden folder and renamed; ``latest.json`` moves last. A write that
+fails (disk full) raises ``DiskWriteError`` naming the checkpoint, removes the hidden folder and
+leaves ``latest.json`` on the previous checkpoint, which a rerun resumes from.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
-import shutil
+import re
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -27,7 +30,7 @@ import torch
 
 from eagle3.config import PipelineConfig
 from eagle3.drafter.model import DrafterConfig, Eagle3Drafter
-from eagle3.durable import atomic_write_json, fsync_dir, read_json
+from eagle3.durable import atomic_write_json, fsync_dir, read_json, remove_inside, writing
 from eagle3.train.data import (
     Dataset,
     collate,
@@ -251,30 +254,43 @@ class Trainer:
         return self.model.state_dict(), self.optimizer.state_dict()
 
     def save(self) -> None:
-        from safetensors.torch import save_file
-
         model_state, opt_state = self._full_state()
         if self.dist.rank == 0:
             name = f"step-{self.step:06d}"
             final, tmp = self.ckpt_dir / name, self.ckpt_dir / f".{name}.partial"
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            weights = {k: v.detach().cpu().contiguous() for k, v in model_state.items() if k != "embed_tokens.weight"}
-            save_file(weights, str(tmp / "model.safetensors"), metadata={"format": CKPT_FORMAT})
-            torch.save(opt_state, tmp / "optimizer.pt")
-            (tmp / "drafter_config.json").write_text(self.drafter_config.to_json())
-            atomic_write_json(tmp / "trainer_state.json", {"step": self.step, "total_steps": self.total_steps, "best": self.best, "seed": self.tc.seed,
-                                                            "layer_ids": self.layer_ids, "target": self.model_path})
-            for f in tmp.iterdir():
-                with open(f, "rb") as fh:
-                    os.fsync(fh.fileno())
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            fsync_dir(self.ckpt_dir)
-            atomic_write_json(self.ckpt_dir / "latest.json", {"step": self.step, "path": str(final.resolve())})
-            if self.best is not None and self.best["step"] == self.step:
-                atomic_write_json(self.ckpt_dir / "best.json", {**self.best, "path": str(final.resolve())})
+            # A failed write (disk full) leaves no step folder and no partial one, and latest.json
+            # still names the previous checkpoint: the error names this one and the free space.
+            with writing(final, "train: checkpoint"):
+                try:
+                    self._write_checkpoint(tmp, model_state, opt_state)
+                except Exception as exc:
+                    remove_inside(tmp, self.run, ignore_errors=True)
+                    as_os = _as_os_error(exc)
+                    if as_os is None or as_os is exc:
+                        raise
+                    raise as_os from exc
+                remove_inside(final, self.run, ignore_errors=True)
+                os.replace(tmp, final)
+                fsync_dir(self.ckpt_dir)
+                atomic_write_json(self.ckpt_dir / "latest.json", {"step": self.step, "path": str(final.resolve())})
+                if self.best is not None and self.best["step"] == self.step:
+                    atomic_write_json(self.ckpt_dir / "best.json", {**self.best, "path": str(final.resolve())})
         self.dist.barrier()
+
+    def _write_checkpoint(self, tmp: Path, model_state, opt_state) -> None:
+        from safetensors.torch import save_file
+
+        remove_inside(tmp, self.run, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        weights = {k: v.detach().cpu().contiguous() for k, v in model_state.items() if k != "embed_tokens.weight"}
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": CKPT_FORMAT})
+        torch.save(opt_state, tmp / "optimizer.pt")
+        (tmp / "drafter_config.json").write_text(self.drafter_config.to_json())
+        atomic_write_json(tmp / "trainer_state.json", {"step": self.step, "total_steps": self.total_steps, "best": self.best, "seed": self.tc.seed,
+                                                        "layer_ids": self.layer_ids, "target": self.model_path})
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
 
     def _resume(self) -> None:
         latest = self.ckpt_dir / "latest.json"
@@ -289,7 +305,7 @@ class Trainer:
         if missing:
             raise ValueError(f"{path}/model.safetensors lacks {sorted(missing)}: not a checkpoint of this drafter")
         self.model.load_state_dict(weights, strict=False)
-        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=self.dist.device, weights_only=True))
+        self.optimizer.load_state_dict(_load_tensors_only(path / "optimizer.pt", self.dist.device))
         self.step, self.best = int(state["step"]), state.get("best")
         if self.dist.rank == 0:
             _truncate_jsonl(self.run / "train" / "log.jsonl", self.step)
@@ -297,9 +313,41 @@ class Trainer:
             self.log(f"resumed from {path} (step {self.step} of {self.total_steps})")
 
 
+def _load_tensors_only(path: Path, device) -> dict:
+    """torch.load restricted to tensors, numbers and containers: a checkpoint in a run directory is
+    data, and a pickle that names any other object is refused rather than run."""
+    import pickle
+
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"{path}: refusing to load, it holds more than tensors and numbers ({first}); "
+                         "delete this checkpoint folder to resume from an earlier one, or the checkpoints folder to start over") from None
+
+
+# Native serialisers report a failed write as their own error type (measured on a full tmpfs):
+# safetensors as SafetensorError("Error while serializing: I/O error: No space left on device (os
+# error 28)"), torch as RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576
+# vs 534") for a short write, or "... file write failed".
+_IO_FAILURE = re.compile(r"I/O error|IoError|os error \d+|unexpected pos \d+ vs \d+|file write failed|No space left|quota exceeded", re.IGNORECASE)
+
+
+def _as_os_error(exc: Exception) -> OSError | None:
+    """``exc`` as the OSError it stands for when it is a failed write, else None (a real bug stays itself)."""
+    if isinstance(exc, OSError):
+        return exc
+    text = str(exc)
+    if not _IO_FAILURE.search(text):
+        return None
+    code = re.search(r"(?:os error|code:) (\d+)", text)
+    number = int(code.group(1)) if code else errno.EIO
+    return OSError(number, f"{os.strerror(number)} ({text.strip().splitlines()[0][:200]})")
+
+
 def _append(path: Path, line: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as fh:
+    with writing(path, "train"), open(path, "a") as fh:
         fh.write(json.dumps(line) + "\n")
         fh.flush()
         os.fsync(fh.fileno())

@@ -86,6 +86,27 @@ def test_key_stays_out_of_the_log(server):
     assert server.api_key not in log_text
 
 
+def listening_addresses(port: int) -> set[str]:
+    """Local addresses of the sockets in LISTEN state on this port, read from /proc/net/tcp{,6}."""
+    found = set()
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            address, hex_port = fields[1].split(":")
+            if fields[3] == "0A" and int(hex_port, 16) == port:  # 0A: TCP_LISTEN
+                raw = bytes.fromhex(address)
+                # the kernel prints each 32-bit word in host (little-endian) order
+                words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                found.add(".".join(map(str, words)) if width == 8 else words.hex())
+    return found
+
+
+def test_the_server_listens_on_loopback_only(server):
+    # The default bind address (server.host, ManagedServer's host) is loopback: nothing outside the machine reaches it.
+    assert server.host == "127.0.0.1"
+    assert listening_addresses(server.port) == {"127.0.0.1"}
+
+
 def test_stop_leaves_no_process_of_the_group(server):
     server.check()
     assert server.healthy
