@@ -46,8 +46,7 @@ def find_checkpoint(run_dir: str | Path) -> tuple[Path, int | None, str]:
     best = folder / "best.json"
     if best.exists():
         entry = read_json(best)
-        path = Path(entry["path"])
-        path = path if path.is_absolute() else folder / path
+        path = folder / Path(entry["path"]).name  # this run's own folder, even when the run dir was moved
         if not ((path / WEIGHTS).exists() and (path / CKPT_CONFIG).exists()):
             raise MissingCheckpoint(f"{best} names {path}, which lacks {WEIGHTS} or {CKPT_CONFIG}")
         return path, entry.get("step"), "best.json"

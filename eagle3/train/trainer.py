@@ -298,7 +298,9 @@ class Trainer:
             return
         from safetensors.torch import load_file
 
-        path = Path(read_json(latest)["path"])
+        # By name inside this run's checkpoints folder: a run dir that was moved or copied resumes from
+        # its own checkpoints, never from a folder outside it that the recorded absolute path names.
+        path = self.ckpt_dir / Path(read_json(latest)["path"]).name
         state = read_json(path / "trainer_state.json")
         weights = load_file(str(path / "model.safetensors"))
         missing = set(self.model.state_dict()) - set(weights) - {"embed_tokens.weight"}

@@ -105,3 +105,23 @@ def test_servers_default_to_loopback():
     assert argv[argv.index("--host") + 1] == "127.0.0.1"
     ui = (ROOT / "scripts" / "ui.sh").read_text()
     assert 'HOST="${EAGLE3_UI_HOST:-127.0.0.1}"' in ui
+
+
+def test_a_moved_run_dir_resumes_and_exports_from_its_own_checkpoints(tmp_path):
+    """latest.json / best.json record absolute paths; a moved run must not read the old place (gone, or another run's)."""
+    import shutil
+
+    from test_train import make_train_run, torchrun
+
+    from eagle3.export.stage import find_checkpoint
+
+    config, names = make_train_run(tmp_path / "old", "train.epochs=1")
+    torchrun(config, names, nproc=1)
+    old = Path(config.run_dir)
+    new = tmp_path / "moved"
+    shutil.move(old, new)
+    moved = config.model_copy(update={"run_dir": str(new)})
+    out = torchrun(moved, names, nproc=1)
+    assert f"resumed from {new / 'checkpoints'}" in out.stdout + out.stderr
+    path, _, how = find_checkpoint(new)
+    assert how == "best.json" and path.parent == new / "checkpoints"
