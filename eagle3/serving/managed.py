@@ -129,38 +129,9 @@ def build_argv(
     return argv + list(extra_args)
 
 
-def _proc_states(pgid: int) -> dict[int, str] | None:
-    """Linux: {pid: state letter} of the group's members; None where /proc is missing."""
-    if not os.path.isdir("/proc"):
-        return None
-    states = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                stat = fh.read()
-        except OSError:
-            continue  # exited while we looked
-        # comm (field 2) may hold spaces and parentheses: split after the last ')'.
-        fields = stat.rpartition(")")[2].split()
-        if int(fields[2]) == pgid:
-            states[int(entry)] = fields[0]
-    return states
-
-
 def live_group_members(pgid: int) -> list[int]:
     """Pids of the group that still run (zombies excluded); [] when the group is gone."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return []
-    except PermissionError:
-        pass  # some member runs as another user: it exists, /proc tells which
-    states = _proc_states(pgid)
-    if states is None:
-        return [pgid]  # no /proc: trust killpg, zombies included
-    return sorted(pid for pid, state in states.items() if state != "Z")
+    return orphans.group_members(pgid)
 
 
 def _line_level(line: str) -> int:
