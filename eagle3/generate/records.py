@@ -13,6 +13,7 @@ Design choices:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -81,30 +82,30 @@ class JsonlAppender:
                 _cut_back(fd, start)
                 raise
 
+    @contextlib.contextmanager
+    def _fsyncing(self) -> Iterator[int]:
+        """The fd to fsync; a failure marks the appender broken and names the file (DiskWriteError)."""
+        fd = self._usable()
+        self._unsynced = 0
+        with writing(self.path, self._what):
+            try:
+                yield fd
+            except OSError:
+                self._broken = True
+                raise
+
     def sync(self) -> None:
         if self._unsynced:
-            fd = self._usable()
-            self._unsynced = 0
-            with writing(self.path, self._what):
-                try:
-                    os.fsync(fd)
-                except OSError:
-                    self._broken = True
-                    raise
+            with self._fsyncing() as fd:
+                os.fsync(fd)
 
     async def sync_soon(self) -> None:
         """fsync in a worker thread: an event loop blocked in fsync stalls every request in flight."""
         import asyncio
 
         if self._unsynced and self._fd is not None:
-            fd = self._usable()
-            self._unsynced = 0
-            with writing(self.path, self._what):
-                try:
-                    await asyncio.to_thread(os.fsync, fd)
-                except OSError:
-                    self._broken = True
-                    raise
+            with self._fsyncing() as fd:
+                await asyncio.to_thread(os.fsync, fd)
 
     def close(self) -> None:
         """fsync what is unsynced and close; after a failed write, just close (the error was raised)."""
