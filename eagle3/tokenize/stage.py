@@ -137,8 +137,9 @@ def _text_size(record: dict) -> int:
 
 @dataclass
 class _Acc:
-    out: _Output | None = None
-    rows: list = field(default_factory=list)
+    out: _Output | None = None  # kept rows stream to it; only their counts stay here
+    kept: int = 0
+    truncated: int = 0
     rejected: list = field(default_factory=list)
     reasons: dict = field(default_factory=dict)
     tokens: int = 0
@@ -177,8 +178,9 @@ def _keep(rid: str, sample: Sample, config: PipelineConfig, acc: _Acc) -> None:
     supervised = int(sample.loss_mask.sum())
     acc.tokens += len(sample.input_ids)
     acc.supervised += supervised
-    acc.rows.append((rid, sample, supervised, truncated))
-    acc.out.add(acc.rows[-1])
+    acc.kept += 1
+    acc.truncated += bool(truncated)
+    acc.out.add((rid, sample, supervised, truncated))
 
 
 def _chunk(records: list[tuple[int, dict, tuple | None]], messages: dict, tokenizer, vocab: int, config: PipelineConfig, acc: _Acc, every: int, executor):
@@ -293,15 +295,12 @@ def _counts(rows: list, vocab: int) -> np.ndarray:
 def _save_outputs(p: dict, acc: _Acc) -> None:
     from safetensors.numpy import save_file
 
-    try:
-        with writing(p["parquet"], "tokenize"):
-            acc.out.close()
-            install_file(acc.out.tmp, p["parquet"])
-            with atomic_path(p["counts"]) as counts_tmp:
-                save_file({"counts": acc.out.counts}, str(counts_tmp))
-            atomic_write_lines(p["rejected"], acc.rejected)
-    finally:
-        acc.out.discard()
+    with writing(p["parquet"], "tokenize"):  # the caller discards the partial file on failure
+        acc.out.close()
+        install_file(acc.out.tmp, p["parquet"])
+        with atomic_path(p["counts"]) as counts_tmp:
+            save_file({"counts": acc.out.counts}, str(counts_tmp))
+        atomic_write_lines(p["rejected"], acc.rejected)
 
 
 def tokenize_shard(config: PipelineConfig, shard: str, tokenizer, tok_path: str, logger=None) -> TokenizeResult:
@@ -345,8 +344,8 @@ def tokenize_shard(config: PipelineConfig, shard: str, tokenizer, tok_path: str,
         _save_outputs(p, acc)
     finally:
         acc.out.discard()
-    result = TokenizeResult(shard, str(p["parquet"]), len(records), len(acc.rows), len(acc.rejected), acc.reasons,
-                            acc.tokens, acc.supervised, sum(1 for r in acc.rows if r[3]), acc.checks, False)
+    result = TokenizeResult(shard, str(p["parquet"]), len(records), acc.kept, len(acc.rejected), acc.reasons,
+                            acc.tokens, acc.supervised, acc.truncated, acc.checks, False)
     assert result.in_ == result.ok + result.filtered, result
     atomic_write_json(p["done"], {"key": key, "parquet_sha256": sha256_file(p["parquet"]), "tokenizer": tok_path, "tokenizer_sha256": tokenizer_hash(tok_path),
                                   "result": {k: v for k, v in result.__dict__.items() if k != "skipped"}})
