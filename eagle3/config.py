@@ -365,9 +365,24 @@ class TrainConfig(_Strict):
     nproc_per_node: int = Field(1, ge=1, description="torchrun --nproc-per-node: processes per node (one per GPU; on CPU, 2 processes already share the cores).")
     nnodes: int = Field(1, ge=1, description="torchrun --nnodes: nodes in the job.")
     node_rank: int = Field(0, ge=0, description="torchrun --node-rank of this node (multi-node).")
-    rdzv_endpoint: str = Field("127.0.0.1:29531", description="torchrun rendezvous host:port; on multi-node, an address of node 0 every node reaches.")
+    rdzv_endpoint: str = Field(
+        "",
+        description="torchrun rendezvous host:port. Empty (single node): torchrun --standalone picks a free local port, so two runs on one machine never collide "
+                    "(a fixed port made the second one fail with EADDRINUSE). Multi-node: required, an address of node 0 every node reaches.",
+    )
     rdzv_id: str = Field("eagle3", description="torchrun rendezvous id shared by the nodes of one job.")
     timeout_s: float = Field(172800.0, gt=0, description="Deadline for the whole torchrun job (48 h); it is stopped after this and the next run resumes from its last checkpoint.")
+
+    @model_validator(mode="after")
+    def _multi_node_needs_an_endpoint(self):
+        if self.nnodes > 1:
+            host, _, port = self.rdzv_endpoint.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"train.nnodes={self.nnodes} needs train.rdzv_endpoint as host:port of node 0 (got {self.rdzv_endpoint!r}), "
+                                 "e.g. --set train.rdzv_endpoint=\"node0:29400\"")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"train.node_rank={self.node_rank} must be below train.nnodes={self.nnodes}")
+        return self
 
 
 class EvaluateConfig(_Strict):
@@ -492,14 +507,22 @@ def _describe(err: dict) -> str:
         hint = difflib.get_close_matches(str(loc[-1]), _allowed_keys(loc), n=1)
         extra = f" (did you mean {'.'.join([*map(str, loc[:-1]), hint[0]])}?)" if hint else ""
         return f"{key}: unknown key{extra}"
+    if len(loc) <= 1 and err["type"] == "value_error":  # between keys of a section: the message names them and their values
+        return f"{key}: {err['msg'].removeprefix('Value error, ')}"
     return f"{key}: {err['msg']} (got {err.get('input')!r})"
 
 
-def _validate(tree: dict, where: str) -> PipelineConfig:
+def _validate(tree: dict, where: str, fields_only: bool = False) -> PipelineConfig | None:
+    """``fields_only``: report only errors of single keys (what one ``--set`` item can cause) and
+    leave those between keys of a section (``train.nnodes`` needs ``train.rdzv_endpoint``) to the
+    final check, so a pair of ``--set`` items can be given in either order."""
     try:
         return PipelineConfig.model_validate(tree)
     except ValidationError as exc:
-        lines = [f"{where}: {_describe(e)}" for e in exc.errors()]
+        errors = [e for e in exc.errors() if not (fields_only and len(e["loc"]) <= 1 and e["type"] == "value_error")]
+        if not errors:
+            return None
+        lines = [f"{where}: {_describe(e)}" for e in errors]
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
 
 
@@ -524,7 +547,7 @@ def load_config(path: str | Path | None = None, sets: list[str] | tuple[str, ...
     for item in sets:
         keys, value = parse_set(item)
         _apply_set(tree, keys, value, item)
-        _validate(tree, f"--set {item}")
+        _validate(tree, f"--set {item}", fields_only=True)
     return _validate(tree, "config")
 
 

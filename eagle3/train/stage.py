@@ -119,6 +119,10 @@ def _run_streamed(argv: list[str], timeout_s: float, log, cwd: Path, threads: in
     from eagle3.serving import orphans
 
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
+    # MKL's reproducibility conditions: a fixed thread count, not one it may lower at run time, so
+    # that a resumed run repeats the uninterrupted run's CPU arithmetic (an environment setting wins).
+    for name in ("MKL_DYNAMIC", "OMP_DYNAMIC"):
+        env.setdefault(name, "FALSE")
     if pidfile is not None:  # a torchrun that a SIGKILLed run left behind would train into the same checkpoints
         orphans.reap_stale(pidfile, 15.0, log)
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd, start_new_session=True)

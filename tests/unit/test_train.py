@@ -147,7 +147,7 @@ def lines(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
-def torchrun(config, names, nproc: int, env_extra=None, background=False):
+def torchrun(config, names, nproc: int, env_extra=None, background=False, own_port=True):
     from eagle3.durable import atomic_write_json
     from eagle3.models import resolve_model
     from eagle3.train.stage import torchrun_argv
@@ -156,8 +156,10 @@ def torchrun(config, names, nproc: int, env_extra=None, background=False):
     request = run / "train" / "request.json"
     atomic_write_json(request, {"config": json.loads(config.model_dump_json()), "shards": names, "model_path": resolve_model(config.server.model),
                                 "layer_ids": [1, 2, 3], "result_path": str(run / "train" / "result.json")})
-    port = 29600 + os.getpid() % 300 + nproc
-    patched = config.model_copy(update={"train": config.train.model_copy(update={"nproc_per_node": nproc, "rdzv_endpoint": f"127.0.0.1:{port}"})})
+    update = {"nproc_per_node": nproc}
+    if own_port:
+        update["rdzv_endpoint"] = f"127.0.0.1:{29600 + os.getpid() % 300 + nproc}"
+    patched = config.model_copy(update={"train": config.train.model_copy(update=update)})
     argv = torchrun_argv(patched, request)
     argv[0] = sys.executable
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
@@ -230,12 +232,33 @@ def test_training_beats_the_untrained_drafter_on_held_out_data_and_picks_the_bes
     assert Path(best["path"]).name == f"step-{best['step']:06d}" and (Path(best["path"]) / "model.safetensors").exists()
 
 
+def test_two_runs_on_one_machine_train_at_once(tmp_path):
+    """The default rendezvous takes a free port: a second run on the same machine (a nightly
+    schedule next to a manual run) trains, where a fixed port failed it with EADDRINUSE."""
+    runs = [make_train_run(tmp_path / name) for name in ("a", "b")]
+    procs = [torchrun(config, names, nproc=1, background=True, own_port=False) for config, names in runs]
+    codes = [proc.wait(timeout=600) for proc in procs]
+    assert codes == [0, 0], codes
+    for config, _ in runs:
+        run = Path(config.run_dir)
+        assert json.loads((run / "train" / "result.json").read_text())["steps"] == len(lines(run / "train" / "log.jsonl")) > 0
+
+
 def test_torchrun_gets_the_multi_node_settings():
-    from eagle3.config import load_config
+    from eagle3.config import ConfigError, load_config
     from eagle3.train.stage import torchrun_argv
 
     one = torchrun_argv(load_config(None, []), Path("/r/request.json"))
-    assert "--nproc-per-node=1" in one and "--nnodes=1" in one and "--master-port=29531" in one and one[-3:] == ["-m", "eagle3.train.worker", "/r/request.json"]
+    assert "--nproc-per-node=1" in one and "--nnodes=1" in one and "--standalone" in one and one[-3:] == ["-m", "eagle3.train.worker", "/r/request.json"]
+    assert not any(a.startswith(("--master-port", "--rdzv-endpoint")) for a in one), one
+    fixed = torchrun_argv(load_config(None, ['train.rdzv_endpoint="127.0.0.1:29555"']), Path("/r/request.json"))
+    assert "--master-addr=127.0.0.1" in fixed and "--master-port=29555" in fixed and "--standalone" not in fixed
+    with pytest.raises(ConfigError, match="rdzv_endpoint as host:port of node 0"):
+        load_config(None, ["train.nnodes=2"])
+    with pytest.raises(ConfigError, match="node_rank=2 must be below train.nnodes=2"):
+        load_config(None, ["train.nnodes=2", "train.node_rank=2", 'train.rdzv_endpoint="node0:29400"'])
+    either_order = load_config(None, ['train.rdzv_endpoint="node0:29400"', "train.nnodes=2", "train.node_rank=1"])
+    assert either_order.train.nnodes == 2 and either_order.train.node_rank == 1
     many = torchrun_argv(load_config(None, ["train.nnodes=4", "train.node_rank=2", "train.nproc_per_node=8", 'train.rdzv_endpoint="node0:29400"',
                                             'train.rdzv_id="job7"']), Path("/r/request.json"))
     for flag in ("--nproc-per-node=8", "--nnodes=4", "--node-rank=2", "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29400", "--rdzv-id=job7"):
