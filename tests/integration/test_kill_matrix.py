@@ -11,8 +11,8 @@ its whole process group, so no cleanup code of the CLI runs. What must hold:
   (ok, failed or filtered) per prepared prompt id, and in == ok + failed + filtered;
 - tokenize, vocab, extract and train, compared with an uninterrupted run of those stages on a
   copy of the killed run's prompts and generations: tokenized Parquet, vocabulary and hidden
-  states byte-identical, and the training loss curve exactly equal (CPU training is
-  deterministic, and a resumed run repeats the uninterrupted run's steps).
+  states byte-identical; training resumed inside the run, with the same steps, learning rates
+  and batches, and the same loss curve and final weights up to float rounding (CURVE_RTOL).
 """
 
 import contextlib
@@ -43,6 +43,12 @@ SMALL = [
     "evaluate.compare_untrained=false", "evaluate.num_prompts=2", "evaluate.max_tokens=16", "evaluate.temperatures=[0.0]",
     f'server.python="{VLLM_PYTHON}"',
 ]
+# Two training processes on the same inputs usually agree bit for bit, but not always: once in CI
+# the uninterrupted reference differed from the killed run in the last bits of one step's loss
+# (5.6e-7 relative at most, growing no further over 16 steps). A resume bug is four orders of
+# magnitude louder, measured on this test's config by resuming from step 2 of 18 with the bug
+# planted: Adam state not restored, 1.5e-2 at the first resumed step; resumed one step early, 0.24.
+CURVE_RTOL = 1e-5
 BEGIN = re.compile(r"Flow run '([^']+)' - Beginning subflow run '[^']+' for flow 'eagle3-(\w+)'")
 # Files whose content names the run dir or a time: compared with these keys dropped and the run dir replaced.
 VOLATILE_KEYS = {"seconds", "recorded_at", "written_at"}
@@ -243,6 +249,39 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def max_relative_difference(a: list[dict], b: list[dict], keys: tuple[str, ...]) -> float:
+    """The largest |x - y| / |y| over the float values (or lists of them) under ``keys``, line by line."""
+    assert len(a) == len(b), (len(a), len(b))
+    worst = 0.0
+    for x, y in zip(a, b):
+        for key in keys:
+            xs, ys = (x[key], y[key]) if isinstance(x[key], list) else ([x[key]], [y[key]])
+            assert len(xs) == len(ys), key
+            worst = max([worst, *(abs(p - q) / max(abs(q), 1e-12) for p, q in zip(xs, ys))])
+    return worst
+
+
+def assert_same_eval_counts(a: list[dict], b: list[dict]) -> None:
+    """Held-out evaluations at the same steps over the same positions; each accuracy may move by at
+    most one position (an argmax that float rounding tips between two near-equal logits)."""
+    assert [(x["step"], x["positions"], x["heldout_samples"]) for x in a] == [(y["step"], y["positions"], y["heldout_samples"]) for y in b]
+    for x, y in zip(a, b):
+        for key in ("accuracy", "conditional_accuracy"):
+            moved = max(abs(p - q) for p, q in zip(x[key], y[key])) * x["positions"]
+            assert moved <= 1 + 1e-9, f"eval at step {x['step']}: {key} {x[key]} vs {y[key]}"
+
+
+def assert_close_weights(a: Path, b: Path) -> None:
+    from safetensors.numpy import load_file
+
+    wa, wb = load_file(str(a)), load_file(str(b))
+    assert sorted(wa) == sorted(wb)
+    for name in wa:
+        gap = float(abs(wa[name].astype("float64") - wb[name].astype("float64")).max())
+        scale = float(abs(wb[name].astype("float64")).max())
+        assert gap <= 1e-6 + CURVE_RTOL * 10 * scale, f"final weights {name}: differ by {gap:.2e} (max |w| {scale:.2e})"
+
+
 @needs_vllm
 @pytest.mark.timeout(900)
 def test_sigkill_inside_each_stage_then_rerun_matches_uninterrupted(tmp_path):
@@ -312,18 +351,27 @@ def test_sigkill_inside_each_stage_then_rerun_matches_uninterrupted(tmp_path):
     assert_same_files(run, ref, "vocab", ("*",))
     assert_same_files(run, ref, "hidden_states", ("shard-*.safetensors", "shard-*.index.json", "shard-*.done.json"))
 
-    # 6. train: resumed inside training, and the same loss curve (exactly) from the resumed step on.
+    # 6. train: resumed inside training, and the uninterrupted run's curve from the resumed step on.
     resumed = [m for line in final.lines if (m := re.search(r"resumed from .* \(step (\d+) of (\d+)\)", line))]
     assert resumed, "the final run did not resume training from a checkpoint"
     step, total = int(resumed[0].group(1)), int(resumed[0].group(2))
     assert 0 < step < total
-    curve = lambda r: [(x["step"], x["epoch"], x["lr"], x["loss"], x["loss_per_step"], x["tokens"]) for x in read_jsonl(r / "train" / "log.jsonl")]  # noqa: E731
-    killed_curve, ref_curve = curve(run), curve(ref)
-    assert [c[0] for c in killed_curve] == list(range(1, total + 1)), "one log line per step, none twice"
-    assert killed_curve == ref_curve, "the loss curve differs from the uninterrupted run's"
-    assert read_jsonl(run / "train" / "eval.jsonl") == read_jsonl(ref / "train" / "eval.jsonl")
+    killed_log, ref_log = read_jsonl(run / "train" / "log.jsonl"), read_jsonl(ref / "train" / "log.jsonl")
+    assert [x["step"] for x in killed_log] == list(range(1, total + 1)), "one log line per step, none twice"
+    exact = ("step", "epoch", "lr", "tokens")  # the schedule and the data order: pure functions of the step
+    assert [[x[k] for k in exact] for x in killed_log] == [[x[k] for k in exact] for x in ref_log], "steps, learning rates or batches differ"
+    drift = max(
+        max_relative_difference(killed_log, ref_log, ("loss", "loss_per_step")),
+        max_relative_difference(read_jsonl(run / "train" / "eval.jsonl"), read_jsonl(ref / "train" / "eval.jsonl"), ("loss_per_step",)),
+    )
+    assert drift <= CURVE_RTOL, f"the loss curve differs from the uninterrupted run's by {drift:.2e} (relative) > {CURVE_RTOL:.0e}"
+    assert_same_eval_counts(read_jsonl(run / "train" / "eval.jsonl"), read_jsonl(ref / "train" / "eval.jsonl"))
     final_ckpt = f"checkpoints/step-{total:06d}/model.safetensors"
-    assert (run / final_ckpt).read_bytes() == (ref / final_ckpt).read_bytes(), "final drafter weights differ"
+    bitwise = drift == 0 and (run / final_ckpt).read_bytes() == (ref / final_ckpt).read_bytes()
+    if not bitwise:
+        assert_close_weights(run / final_ckpt, ref / final_ckpt)
+    report.append(f"training resumed at step {step} of {total}; loss curve and final weights "
+                  + ("bitwise equal to the uninterrupted run" if bitwise else f"within {drift:.1e} (relative) of the uninterrupted run"))
 
-    print("\n".join(["", *report, f"training resumed at step {step} of {total}; loss curve and final weights equal to the uninterrupted run",
+    print("\n".join(["", *report,
                      f"kill matrix + final run: {kill_matrix_s:.0f} s; whole test {time.monotonic() - began:.0f} s"]))
