@@ -13,6 +13,7 @@ from eagle3.generate import stage
 from eagle3.generate.shard import is_complete
 from eagle3.schemas import SchemaError
 from tasks.generate import generate_shard_task, generate_summary_task
+from tasks.retry import unless_permanent
 from tasks.serve import expected_target, outage_allowance_s, target_server
 
 
@@ -39,7 +40,7 @@ async def generate_flow(config: PipelineConfig = PipelineConfig()) -> dict:
         runs = [
             _bounded(limit, lambda s=s: generate_shard_task.with_options(
                 name=f"generate-{s.stem}", timeout_seconds=stage.shard_timeout_s(rows, per_shard, gen) + outage_allowance_s(config),
-                retries=gen.shard_retries, retry_delay_seconds=gen.shard_retry_delay_s,
+                retries=gen.shard_retries, retry_delay_seconds=gen.shard_retry_delay_s, retry_condition_fn=unless_permanent,
             )(config, str(s), target, per_shard))
             for s, rows in shards.items()
         ]

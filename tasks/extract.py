@@ -10,6 +10,7 @@ from prefect.artifacts import create_progress_artifact, create_table_artifact, u
 from prefect.cache_policies import NO_CACHE
 
 from eagle3.config import PipelineConfig
+from tasks.retry import unless_permanent
 
 
 # Disk markers keyed on the tokenized shard's hash, the model, layer ids, dtype and backend decide what is done.
@@ -25,7 +26,7 @@ def plan_task(config: PipelineConfig, shards: list[str]):
     return the_plan
 
 
-@task(name="extract-shard", cache_policy=NO_CACHE, retries=1)
+@task(name="extract-shard", cache_policy=NO_CACHE, retries=1, retry_condition_fn=unless_permanent)
 def extract_shard_task(config: PipelineConfig, shard: str, the_plan, replica: int = 0):
     from eagle3.hidden.stage import extract_shard
 

@@ -9,10 +9,11 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from eagle3.config import PipelineConfig
+from tasks.retry import unless_permanent
 
 
 # Disk markers (keyed on input hashes, tokenizer and settings) decide what is done.
-@task(name="tokenize-shard", cache_policy=NO_CACHE, retries=1)
+@task(name="tokenize-shard", cache_policy=NO_CACHE, retries=1, retry_condition_fn=unless_permanent)
 def tokenize_shard_task(config: PipelineConfig, shard: str):
     from eagle3.tokenize.stage import load_tokenizer, tokenize_shard, tokenizer_path
 

@@ -15,9 +15,10 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
 from eagle3.config import PipelineConfig
+from tasks.retry import unless_permanent
 
 
-@task(name="train-drafter", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=10)
+@task(name="train-drafter", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=10, retry_condition_fn=unless_permanent)
 def train_task(config: PipelineConfig, shards: list[str]) -> dict:
     """A retry resumes from the last checkpoint (the worker reads checkpoints/latest.json)."""
     from eagle3.train.stage import STEP_LINE, run_train

@@ -137,6 +137,46 @@ def test_failed_prepare_fails_the_flow_run(prefect_server, tmp_path):
         state.result()
 
 
+def test_a_task_that_cannot_be_fixed_by_a_retry_fails_at_once(prefect_server, demo_config):
+    """Training without a vocabulary (bad input) fails in one attempt: no retry 10 s later that
+    fails the same way and adds a second failed attempt to the UI."""
+    from eagle3.prepare.stage import run_prepare
+    from eagle3.train.stage import TrainInputError
+    from flows.train import train_flow
+
+    config = demo_config("data.num_shards=1")
+    run_prepare(config)
+    state = train_flow(config, return_state=True)
+    assert state.is_failed()
+    with pytest.raises(TrainInputError, match="draft_vocab.safetensors not found"):
+        state.result()
+    with get_client(sync_client=True) as client:
+        runs = [r for r in task_runs_of(client, state.state_details.flow_run_id) if r.name.startswith("train-drafter")]
+    assert [(r.run_count, r.state.type.value) for r in runs] == [(1, "FAILED")]
+
+
+def test_retry_condition_retries_transient_errors_only(prefect_server):
+    from prefect import flow, task
+
+    from eagle3.durable import DiskWriteError
+    from tasks.retry import unless_permanent
+
+    calls = []
+
+    @task(retries=1, retry_delay_seconds=0, retry_condition_fn=unless_permanent)
+    def fails_with(kind: str):
+        calls.append(kind)
+        raise DiskWriteError(28, "no space left writing x") if kind == "disk" else RuntimeError("worker crashed")
+
+    @flow
+    def both():
+        for kind in ("disk", "crash"):
+            fails_with(kind, return_state=True)
+
+    both()
+    assert calls == ["disk", "crash", "crash"]
+
+
 def external(demo_config, tmp_path, url, *sets):
     from eagle3.prepare.stage import run_prepare
 
