@@ -42,7 +42,12 @@ class JsonlAppender:
     def __init__(self, path: str | Path, fsync_every: int = 16, what: str = "append"):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:  # never through a symlink: the file appended to is the run dir's own
+            self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise RecordFileError(f"{self.path}: is a symbolic link; records are appended only to a file of the run dir's own (remove the link)") from None
+            raise
         self._fsync_every = fsync_every
         self._unsynced = 0
         self._what = what

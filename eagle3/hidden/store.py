@@ -57,7 +57,9 @@ class StatesWriter:
         self._written = np.zeros(len(lengths), dtype=bool)
         self.tmp = self.path.with_name(f".{self.path.name}.partial")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        if self.tmp.is_symlink():  # a link planted at the temporary name is removed, never written through
+            self.tmp.unlink()
+        self._fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o644)
         try:
             os.pwrite(self._fd, struct.pack("<Q", len(raw)) + raw, 0)
             os.pwrite(self._fd, self.offsets.tobytes(), self._base)

@@ -241,3 +241,35 @@ def test_config_refuses_unsafe_run_dirs(run_dir):
 def test_config_accepts_ordinary_run_dirs(tmp_path):
     for run_dir in ("runs/demo", str(tmp_path / "run"), "~/runs/x", "/tmp/eagle3-run"):
         assert PipelineConfig(run_dir=run_dir).run_dir == run_dir
+
+
+def test_a_symlink_at_the_hidden_states_temporary_name_is_not_written_through(layout):
+    """StatesWriter truncates its temporary file: a link planted at that name (pointing at a file
+    outside the run dir) is replaced by a file of its own, and the outside file keeps its bytes."""
+    import torch
+    from safetensors import safe_open
+
+    from eagle3.hidden.store import StatesWriter
+
+    run, outside = layout
+    path = run / "hidden_states" / "shard-00000.safetensors"
+    path.parent.mkdir()
+    (path.parent / f".{path.name}.partial").symlink_to(outside / "canary.txt")
+    with StatesWriter(path, [3], hidden=4) as writer:
+        writer.write(0, torch.ones(3, 12), torch.ones(3, 4))
+        writer.commit()
+    assert canary_alive(outside)
+    with safe_open(str(path), framework="pt") as stored:
+        assert stored.get_tensor("last").shape == (3, 4)
+
+
+def test_a_symlinked_generation_file_is_refused_not_appended_through(layout):
+    from eagle3.generate.records import JsonlAppender, RecordFileError
+
+    run, outside = layout
+    shard = run / "generations" / "shard-00000.jsonl"
+    shard.parent.mkdir()
+    shard.symlink_to(outside / "canary.txt")
+    with pytest.raises(RecordFileError, match=r"shard-00000.jsonl: is a symbolic link"):
+        JsonlAppender(shard)
+    assert canary_alive(outside)
