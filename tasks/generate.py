@@ -15,7 +15,7 @@ from eagle3.config import PipelineConfig
 from eagle3.generate import stage
 from eagle3.generate.client import EndpointPool, deadline_s
 from eagle3.generate.shard import ShardResult, generate_shard
-from tasks.serve import Target, outage_wait_s
+from tasks.serve import Target, outage_wait_s, replica_events
 
 class ShardIncomplete(RuntimeError):
     """Some prompts of the shard failed with transient errors; a retry resumes them."""
@@ -47,7 +47,9 @@ async def generate_shard_task(config: PipelineConfig, shard: str, target: Target
         job.add_done_callback(pending.discard)
 
     pool = EndpointPool(list(target.urls), os.environ.get(target.key_env), concurrency, deadline_s(gen),
-                        outage_wait_s=outage_wait_s(config), logger=logger)
+                        outage_wait_s=outage_wait_s(config), logger=logger, events=replica_events(config))
+    for url, why in target.down_at_start:
+        pool.bench(url, f"did not answer when the run began ({why})")
     try:
         result = await generate_shard(
             shard, stage.out_dir(config), gen, target.model, pool, target.template_hash,

@@ -14,8 +14,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from eagle3.config import PipelineConfig
@@ -30,6 +31,9 @@ class Target:
     key_env: str
     model: str  # the name requests use
     template_hash: str
+    # External replicas that failed the start-of-run check, with why: in urls too, but benched from the
+    # start and probed until they answer, so a replica that comes up late still takes requests.
+    down_at_start: tuple[tuple[str, str], ...] = ()
 
 
 class ServerLost(RuntimeError):
@@ -42,6 +46,8 @@ class Serving:
 
     target: Target
     server: object | None = None  # the ManagedServer in managed mode
+    events: Path | None = None  # generations/replica-events.jsonl (EndpointPool writes it)
+    started_at: float = field(default_factory=time.time)
 
     @property
     def restarts(self) -> int:
@@ -53,9 +59,24 @@ class Serving:
         return self.server.lost if self.server is not None else None
 
     def manifest_fields(self) -> dict:
-        if self.server is None:
+        fields = {"replica_benches": self.benches()}
+        if self.target.down_at_start:
+            fields["replicas_down_at_start"] = dict(self.target.down_at_start)
+        if self.server is not None:
+            fields |= {"server_restarts": self.restarts, "server_restart_events": self.server.restart_events}
+        return fields
+
+    def benches(self) -> dict[str, int]:
+        """{replica URL: times benched} during this flow, from the events the shard tasks wrote."""
+        from eagle3.generate.records import read_records
+
+        if self.events is None or not self.events.exists():
             return {}
-        return {"server_restarts": self.restarts, "server_restart_events": self.server.restart_events}
+        counts: dict[str, int] = {}
+        for event in read_records(self.events):
+            if event.get("event") == "benched" and event.get("at", 0) >= self.started_at:
+                counts[event["url"]] = counts.get(event["url"], 0) + 1
+        return counts
 
     def raise_if_lost(self, config: PipelineConfig, cause: BaseException | None = None) -> None:
         if self.lost is not None:
@@ -120,7 +141,7 @@ async def _managed(config: PipelineConfig, logger) -> AsyncIterator[Serving]:
         os.environ[MANAGED_KEY_ENV] = managed.api_key
         # The caller reads Serving.lost: a server gone for good (past server.max_restarts) is
         # reported after the stage's accounting is written, not instead of it.
-        yield Serving(Target((managed.base_url,), MANAGED_KEY_ENV, name, template_hash(model_path)), managed)
+        yield Serving(Target((managed.base_url,), MANAGED_KEY_ENV, name, template_hash(model_path)), managed, events=replica_events(config))
         if managed.restarts:
             logger.warning("the vLLM server was restarted %d time(s) during this flow (server.max_restarts=%d): %s",
                            managed.restarts, server.max_restarts, managed.restart_events)
@@ -141,7 +162,14 @@ async def _external(config: PipelineConfig, logger) -> AsyncIterator[Serving]:
         logger.warning("replica %s is not usable: %s", url, why)
     if not healthy:
         raise RuntimeError(f"no replica of {server.urls} answered /health and /v1/models: {bad}")
-    yield Serving(Target(tuple(healthy), server.api_key_env, server.served_model_name or server.model, ""))
+    if bad:
+        logger.warning("%d of %d replicas are benched from the start and probed until they answer", len(bad), len(server.urls))
+    down = tuple((url, bad[url]) for url in server.urls if url in bad)
+    yield Serving(Target(tuple(server.urls), server.api_key_env, server.served_model_name or server.model, "", down), events=replica_events(config))
+
+
+def replica_events(config: PipelineConfig) -> Path:
+    return Path(config.run_dir) / "generations" / "replica-events.jsonl"
 
 
 def target_server(config: PipelineConfig, logger):

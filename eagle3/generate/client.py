@@ -39,12 +39,14 @@ import random
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 
 from eagle3.config import GenerationConfig
+from eagle3.generate.records import JsonlAppender
 
 TRANSIENT_STATUS = {408, 409, 425, 429}
 # A benched replica comes back when a probe answers; without a running event loop (no
@@ -111,10 +113,13 @@ class EndpointPool:
 
     outage_wait_s: how long requests wait while every replica is benched (0: never wait).
     benched: {base URL: times benched}, for the task's log.
+    events: a JSONL file that gets one line per bench and return ({"at", "event", "url", "why"}),
+    appended as it happens, so the run's manifest can count them across shard tasks and retries.
     """
 
     def __init__(self, base_urls: list[str], api_key: str | None, max_connections: int, deadline: float,
-                 outage_wait_s: float = 0.0, logger: logging.Logger | logging.LoggerAdapter | None = None):
+                 outage_wait_s: float = 0.0, logger: logging.Logger | logging.LoggerAdapter | None = None,
+                 events: str | Path | None = None):
         if not base_urls:
             raise ValueError("no server URLs to send requests to")
         n_clients = max(1, -(-max_connections // CONNECTIONS_PER_CLIENT))
@@ -125,6 +130,16 @@ class EndpointPool:
         self.benched: Counter = Counter()
         self._api_key = api_key
         self._outage_since: float | None = None
+        self._events = Path(events) if events is not None else None
+
+    def bench(self, base_url: str, why: str) -> None:
+        """Take a replica out of use until /v1/models answers (one that was down when the run began)."""
+        self._bench(next(e for e in self.endpoints if e.base_url == base_url), why)
+
+    def _note(self, event: str, e: Endpoint, why: str) -> None:
+        if self._events is not None:
+            with JsonlAppender(self._events, what="replica event") as out:
+                out.append({"at": round(time.time(), 3), "event": event, "url": e.base_url, "why": why})
 
     def _up(self, now: float) -> list[Endpoint]:
         return [e for e in self.endpoints if e.down_until <= now]
@@ -165,6 +180,7 @@ class EndpointPool:
         e.down_until = now + BENCH_S
         self.benched[e.base_url] += 1
         self.log.warning("replica %s %s: benched, its requests go elsewhere until /v1/models answers again", e.base_url, why)
+        self._note("benched", e, why)
         try:
             e.probe = asyncio.get_running_loop().create_task(self._probe_until_back(e))
         except RuntimeError:
@@ -175,6 +191,7 @@ class EndpointPool:
             return
         e.down_until, e.drops = 0.0, 0
         self.log.warning("replica %s %s: back in use", e.base_url, why)
+        self._note("back", e, why)
         if e.probe is not None and e.probe is not asyncio.current_task():
             e.probe.cancel()
         e.probe = None

@@ -307,3 +307,53 @@ def test_a_full_disk_during_generation_fails_the_flow_naming_the_file(prefect_se
     ok = ids_in(run, "shard-00000.jsonl")
     assert len(ok) == len(set(ok)) == 10, "the records before the full disk are whole and counted once"
     assert not child_pids("fake_as_vllm.py")
+
+
+# --------------------------------------------------------------------------- a replica down when the run begins
+
+
+def test_a_replica_down_at_the_start_is_probed_and_takes_requests_once_up(prefect_server, demo_config, tmp_path):
+    """External mode, replica B not listening when the run begins: the run starts on A, B is benched
+    and probed, and once B comes up it serves requests. The manifest names B as down at the start
+    and counts its bench events."""
+    from fake_openai import FakeConfig, run_fake_server
+
+    from eagle3.prepare.stage import run_prepare
+    from eagle3.serving.managed import free_port
+
+    slow = FakeConfig(slots=4, tokens_per_s=400)  # ~0.16 s per request
+    b_port, later = free_port(), {}
+    with run_fake_server(slow) as a:
+        b_url = f"http://127.0.0.1:{b_port}/v1"
+        config = demo_config(f'data.source="{write_prompts(tmp_path, 80)}"', "data.num_shards=2", 'server.mode="external"', 'server.model="fake-target"',
+                             f'server.urls=["{a.base_url}", "{b_url}"]', "generation.concurrency=8", "generation.backoff_base_s=0.05",
+                             "generation.backoff_max_s=0.2", "generation.max_attempts=3", "generation.shard_retry_delay_s=0")
+        run_prepare(config)
+        run = Path(config.run_dir)
+
+        def start_b():
+            while records_on_disk(run) < 8:
+                time.sleep(0.05)
+            later["cm"] = run_fake_server(slow, port=b_port)
+            later["b"] = later["cm"].__enter__()
+            later["records"] = records_on_disk(run)
+
+        starter = threading.Thread(target=start_b, daemon=True)
+        starter.start()
+        try:
+            state = run_flow(config)
+            starter.join(30)
+            served = (a.stats()["completed"], later["b"].stats()["completed"] if "b" in later else 0)
+        finally:
+            if "cm" in later:
+                later["cm"].__exit__(None, None, None)
+    assert state.is_completed(), state
+    entry = manifest_entry(config)
+    assert_every_prompt_once(run, entry)
+    assert later.get("records", 80) < 80, "B must come up mid-run"
+    assert served[1] >= 10, f"B served {served[1]} requests after coming up (A served {served[0]})"
+    assert list(entry["replicas_down_at_start"]) == [b_url] and "ConnectError" in entry["replicas_down_at_start"][b_url]
+    assert entry["replica_benches"].get(b_url, 0) >= 1 and a.base_url not in entry["replica_benches"]
+    events = [json.loads(line) for line in (run / "generations" / "replica-events.jsonl").read_text().splitlines()]
+    assert {(e["event"], e["url"]) for e in events} == {("benched", b_url), ("back", b_url)}
+    print(f"replica down at start: up after {later['records']} records; served A {served[0]}, B {served[1]}")
