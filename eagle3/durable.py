@@ -10,9 +10,12 @@ sees the old file or the new one, never half of either.
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import os
+import re
+import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,12 +57,91 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+# -- temporaries and their owners ---------------------------------------------------------------
+# A temporary next to its target is named ".TARGET.PID@HOST.<random><suffix>". A process killed
+# between creating it and the rename (SIGKILL, OOM, power) cannot remove it; the next writer of
+# the same target can, once the name says its owner is a process of this host that is gone.
+# Temporaries of live processes, of other hosts (a shared run dir) and names without an owner
+# are left alone: deleting a file another writer is still filling would be worse than a leak.
+
+_HOST = "".join(c if c.isalnum() or c == "-" else "-" for c in socket.gethostname()) or "host"
+
+
+def owned_prefix(target: str | Path) -> str:
+    """The prefix for a temporary of ``target`` that names this process as its owner."""
+    return f".{Path(target).name}.{os.getpid()}@{_HOST}."
+
+
+_OWNED = re.compile(r"^\.(?P<target>.+)\.(?P<pid>\d+)@(?P<host>[A-Za-z0-9-]+)\.[^@/]*$")
+
+
+def _owner(name: str) -> tuple[str, int, str] | None:
+    """(target name, pid, host) of a temporary named by owned_prefix, else None."""
+    m = _OWNED.match(name)
+    return (m["target"], int(m["pid"]), m["host"]) if m else None
+
+
+def _gone(pid: int) -> bool:
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # alive, under another user
+    return False
+
+
+def _orphans(folder: Path, target: str | None) -> list[Path]:
+    pattern = f".{glob.escape(target)}.*@*" if target is not None else ".*@*"
+    found = []
+    for path in folder.glob(pattern):
+        owner = _owner(path.name)
+        if owner is not None and target in (None, owner[0]) and owner[2] == _HOST and _gone(owner[1]):
+            found.append(path)
+    return sorted(found)
+
+
+def _remove(paths: list[Path]) -> list[Path]:
+    removed = []
+    for path in paths:
+        try:
+            if path.is_dir() and not path.is_symlink():
+                remove_inside(path, path.parent)
+            else:
+                path.unlink()
+            removed.append(path)
+        except FileNotFoundError:
+            pass  # another writer of the same target got there first
+    return removed
+
+
+def orphaned_temporaries(target: str | Path) -> list[Path]:
+    """Temporaries of ``target`` (see owned_prefix) whose owner was a process of this host that is gone."""
+    return _orphans(Path(target).parent, Path(target).name)
+
+
+def remove_orphaned_temporaries(target: str | Path) -> list[Path]:
+    """Delete the temporaries ``orphaned_temporaries`` finds (files, links, folders); return them."""
+    return _remove(orphaned_temporaries(target))
+
+
+def sweep_orphaned_temporaries(folder: str | Path) -> list[Path]:
+    """Delete the orphaned temporaries of every target in ``folder``; return them. For a writer
+    whose target names change between runs (checkpoint steps), so no later write of the same
+    name would find them."""
+    return _remove(_orphans(Path(folder), None)) if Path(folder).is_dir() else []
+
+
 @contextlib.contextmanager
 def atomic_path(target: str | Path) -> Iterator[Path]:
-    """Yield a temporary path next to ``target``; on success it is fsynced and renamed onto it."""
+    """Yield a temporary path next to ``target``; on success it is fsynced and renamed onto it.
+    Temporaries of the same target left by a killed process are removed first."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    remove_orphaned_temporaries(target)
+    fd, tmp_name = tempfile.mkstemp(prefix=owned_prefix(target), suffix=".tmp", dir=target.parent)
     os.close(fd)
     tmp = Path(tmp_name)
     os.chmod(tmp, 0o644)  # mkstemp makes 0600; outputs are meant to be shared

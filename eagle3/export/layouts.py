@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle3.durable import fsync_dir, read_json, remove_inside, sha256_file
+from eagle3.durable import fsync_dir, owned_prefix, read_json, remove_inside, remove_orphaned_temporaries, sha256_file
 
 LAYOUTS = ("vllm", "sglang", "speculators")
 CONFIG = "config.json"
@@ -306,7 +306,7 @@ def install_folder(tmp: Path, final: Path) -> None:
     fsync_dir(tmp)
     old = None
     if final.exists():
-        old = final.with_name(f".{final.name}.old-{os.getpid()}-{time.monotonic_ns()}")
+        old = final.with_name(f"{owned_prefix(final)}{time.monotonic_ns()}.old")
         os.replace(final, old)
     os.replace(tmp, final)
     fsync_dir(final.parent)
@@ -318,7 +318,8 @@ def write_layout(out_dir: Path, config: dict, tensors: dict, info: dict) -> Path
     from safetensors.torch import save_file
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    remove_orphaned_temporaries(out_dir)  # a folder half written, or an old one set aside, by a killed export
+    tmp = Path(tempfile.mkdtemp(prefix=owned_prefix(out_dir), suffix=".tmp", dir=out_dir.parent))
     try:
         os.chmod(tmp, 0o755)
         (tmp / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -30,7 +30,7 @@ import torch
 
 from eagle3.config import PipelineConfig
 from eagle3.drafter.model import DrafterConfig, Eagle3Drafter
-from eagle3.durable import atomic_write_json, fsync_dir, read_json, remove_inside, writing
+from eagle3.durable import atomic_write_json, fsync_dir, owned_prefix, read_json, remove_inside, sweep_orphaned_temporaries, writing
 from eagle3.train.data import (
     Dataset,
     collate,
@@ -257,7 +257,11 @@ class Trainer:
         model_state, opt_state = self._full_state()
         if self.dist.rank == 0:
             name = f"step-{self.step:06d}"
-            final, tmp = self.ckpt_dir / name, self.ckpt_dir / f".{name}.partial"
+            final = self.ckpt_dir / name
+            tmp = self.ckpt_dir / f"{owned_prefix(final)}partial"
+            # A save that a kill cut short left its partial folder under the dead worker's pid (and
+            # possibly another step's name, when the schedule changed): removed before this one.
+            sweep_orphaned_temporaries(self.ckpt_dir)
             # A failed write (disk full) leaves no step folder and no partial one, and latest.json
             # still names the previous checkpoint: the error names this one and the free space.
             with writing(final, "train: checkpoint"):

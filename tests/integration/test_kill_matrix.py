@@ -331,7 +331,11 @@ def test_sigkill_inside_each_stage_then_rerun_matches_uninterrupted(tmp_path):
         sessions |= cli.sessions
     wait_no_survivors(sessions, timeout_s=30)  # nothing any of these runs started is left
 
-    # 3. prepare: byte-identical.
+    # 3. No temporary of a write the kills cut short is left anywhere in the run dir.
+    leftovers = sorted(str(f.relative_to(run)) for f in run.rglob(".*") if re.search(r"\.(tmp|partial|old)$", f.name))
+    assert not leftovers, f"temporaries of killed writes left behind: {leftovers}"
+
+    # prepare: byte-identical.
     assert_same_files(run, ref_prep, "prompts", ("shard-*.parquet", "rejected.jsonl", "_SUCCESS.json"))
 
     # 4. generate: exactly one record per prepared prompt, and the accounting adds up.

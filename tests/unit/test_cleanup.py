@@ -167,18 +167,21 @@ def _trainer_stub(run: Path, step: int):
     return stub, Trainer
 
 
-@pytest.mark.parametrize("planted", [".step-000010.partial", "step-000010"])
+@pytest.mark.parametrize("planted", ["partial", "step-000010"])
 def test_checkpoint_partial_or_final_symlinked_out_survives_a_save(layout, planted):
     """Before a save, the step's partial folder and an existing final one are removed; planted as
     symlinks to an outside folder, the links go and the checkpoint is written as a real folder."""
     run, outside = layout
     stub, Trainer = _trainer_stub(run, 10)
+    from eagle3.durable import owned_prefix
+
     stub.ckpt_dir.mkdir()
-    (stub.ckpt_dir / planted).symlink_to(outside, target_is_directory=True)
-    Trainer.save(stub)
     final = stub.ckpt_dir / "step-000010"
+    partial = stub.ckpt_dir / f"{owned_prefix(final)}partial"  # this process's temporary name for the step
+    (partial if planted == "partial" else final).symlink_to(outside, target_is_directory=True)
+    Trainer.save(stub)
     assert final.is_dir() and not final.is_symlink() and (final / "model.safetensors").exists()
-    assert not os.path.lexists(stub.ckpt_dir / ".step-000010.partial")
+    assert not os.path.lexists(partial)
     assert json.loads((stub.ckpt_dir / "latest.json").read_text())["step"] == 10
     assert canary_alive(outside) and sorted(os.listdir(outside)) == ["canary.txt", "deep"]
 
