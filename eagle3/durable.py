@@ -82,14 +82,12 @@ def _owner(name: str) -> tuple[str, int, str] | None:
 
 
 def _gone(pid: int) -> bool:
-    if pid == os.getpid():
-        return False
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # signal 0: only asks whether the pid exists
     except ProcessLookupError:
         return True
     except PermissionError:
-        return False  # alive, under another user
+        pass  # alive, under another user
     return False
 
 
