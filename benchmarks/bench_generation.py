@@ -80,14 +80,14 @@ async def _baseline(url: str, n: int, concurrency: int) -> int:
 
 
 def _shard_config(run_dir: Path, n: int, concurrency: int, shards: int = 1):
-    from eagle3.config import load_config
+    from eagle3.config import DEMO_RECIPE, load_config
     from eagle3.prepare.stage import run_prepare
 
     src = run_dir / "prompts.jsonl"
     if not src.exists():
         src.parent.mkdir(parents=True, exist_ok=True)
         src.write_text("".join(json.dumps({"messages": m}) + "\n" for m in _prompts(n)))
-    config = load_config(None, [
+    config = load_config(DEMO_RECIPE, [
         f'run_dir="{run_dir}"', f'data.source="{src}"', f"data.num_shards={shards}", f"generation.max_tokens={MAX_TOKENS}",
         f"generation.concurrency={concurrency}", "generation.shard_parallelism=2", 'server.mode="external"', 'server.model="fake-target"',
     ])
@@ -244,7 +244,7 @@ def vllm_client_main(args) -> None:
 
         asyncio.run(go())
     else:
-        from eagle3.config import load_config
+        from eagle3.config import DEMO_RECIPE, load_config
         from eagle3.generate.client import EndpointPool
         from eagle3.generate.shard import generate_shard
         from eagle3.prepare.stage import run_prepare
@@ -253,7 +253,7 @@ def vllm_client_main(args) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         src = run_dir / "p.jsonl"
         src.write_text("".join(json.dumps({"messages": m}) + "\n" for m in _prompts(args.n)))
-        config = load_config(None, [f'run_dir="{run_dir}"', f'data.source="{src}"', "data.num_shards=1", "generation.max_tokens=128",
+        config = load_config(DEMO_RECIPE, [f'run_dir="{run_dir}"', f'data.source="{src}"', "data.num_shards=1", "generation.max_tokens=128",
                                     "generation.temperature=0", "generation.top_p=1.0", f"generation.concurrency={args.concurrency}"])
         shard = Path(run_prepare(config).out_dir) / "shard-00000.parquet"
         started = time.perf_counter()

@@ -82,9 +82,9 @@ def _prompts(n: int) -> list[list[dict]]:
 
 
 def _config(run_dir: Path):
-    from eagle3.config import load_config
+    from eagle3.config import DEMO_RECIPE, load_config
 
-    return load_config(None, [
+    return load_config(DEMO_RECIPE, [
         f'run_dir="{run_dir}"', f'data.source="{run_dir / "prompts.jsonl"}"', f"data.num_shards={SHARDS}",
         f"generation.max_tokens={MAX_TOKENS}", f"generation.concurrency={CONCURRENCY}",
         f"generation.shard_parallelism={SHARD_PARALLELISM}", f"generation.request_timeout_s={REQUEST_TIMEOUT_S}",

@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 
-from eagle3.config import load_config  # noqa: E402
+from eagle3.config import DEMO_RECIPE, load_config  # noqa: E402
 from eagle3.generate.records import JsonlAppender  # noqa: E402
 from eagle3.prepare.stage import run_prepare  # noqa: E402
 from eagle3.tokenize import build  # noqa: E402
@@ -60,7 +60,7 @@ def make_run(work: Path, n: int, with_ids: bool, size: str = "short"):
     work.mkdir(parents=True, exist_ok=True)
     src = work / "p.jsonl"
     src.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": f"{i}: {_text(rng, 10, 60)}"}]}) + "\n" for i in range(n)))
-    config = load_config(None, [f'run_dir="{work / "run"}"', f'data.source="{src}"', "data.num_shards=1", "tokenize.max_seq_len=8192"])
+    config = load_config(DEMO_RECIPE, [f'run_dir="{work / "run"}"', f'data.source="{src}"', "data.num_shards=1", "tokenize.max_seq_len=8192"])
     run_prepare(config)
     import pyarrow.parquet as pq
 

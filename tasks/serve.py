@@ -117,22 +117,17 @@ def outage_allowance_s(config: PipelineConfig) -> float:
 LOST_POLL_S = 1.0
 
 
-def _launcher(config: PipelineConfig) -> list[str]:
-    server = config.server
-    return list(server.command) if server.command else [server.python, "-m", "vllm.entrypoints.openai.api_server"]
-
-
 @contextlib.asynccontextmanager
 async def _managed(config: PipelineConfig, logger) -> AsyncIterator[Serving]:
-    from eagle3.models import resolve_model, template_hash
+    from eagle3.models import resolve_model, template_hash, vllm_args, vllm_launcher
     from eagle3.serving.managed import ManagedServer
 
     server = config.server
     model_path = await asyncio.to_thread(resolve_model, server.model)
     name = server.served_model_name or model_path
     managed = ManagedServer(
-        command=_launcher(config), model=model_path, served_model_name=name, host=server.host,
-        extra_args=list(server.args), env=dict(server.env), log_path=Path(config.run_dir) / "generations" / "server.log",
+        command=vllm_launcher(server), model=model_path, served_model_name=name, host=server.host,
+        extra_args=vllm_args(server, model_path), env=dict(server.env), log_path=Path(config.run_dir) / "generations" / "server.log",
         startup_timeout_s=server.startup_timeout_s, stop_grace_s=server.stop_grace_s, logger=logger,
     )
     try:

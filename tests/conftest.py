@@ -14,6 +14,7 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
+DEMO_RECIPE = ROOT / "recipes" / "tiny-demo.toml"  # the demo recipe: tests start from the demo's values
 
 
 @pytest.fixture(scope="session")
@@ -27,10 +28,10 @@ def prefect_server(tmp_path_factory):
 
 @pytest.fixture()
 def demo_config(tmp_path):
-    from eagle3.config import load_config
+    from eagle3.config import DEMO_RECIPE, load_config
 
     def make(*sets: str):
-        return load_config(None, [f"run_dir={str(tmp_path / 'run')!r}".replace("'", '"'), *sets])
+        return load_config(DEMO_RECIPE, [f"run_dir={str(tmp_path / 'run')!r}".replace("'", '"'), *sets])
 
     return make
 

@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from eagle3.config import load_config
+from eagle3.config import DEMO_RECIPE, load_config
 
 LENGTHS = (7, 40, 129, 3, 64)
 
@@ -32,5 +32,5 @@ def make_run(tmp_path: Path, shards=(LENGTHS, (12, 30)), *sets: str):
         sha = hashlib.sha256((tok / name).read_bytes()).hexdigest()
         (tok / f"shard-{s:05d}.done.json").write_text(json.dumps({"parquet_sha256": sha, "result": {"tokens": sum(lengths), "ok": len(seqs)}}))
         names.append(name)
-    config = load_config(None, [f'run_dir="{run}"', "hidden_states.dtype=\"float32\"", "hidden_states.batch_tokens=256", *sets])
+    config = load_config(DEMO_RECIPE, [f'run_dir="{run}"', "hidden_states.dtype=\"float32\"", "hidden_states.batch_tokens=256", *sets])
     return config, names

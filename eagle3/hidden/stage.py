@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -221,7 +222,7 @@ def _fill_with_vllm(config, shard: str, ids, seqs, the_plan: Plan, writer: State
         for n, chunk in enumerate(chunks):
             log.info("%s: vLLM extraction, chunk %d/%d (%d samples)", shard, n + 1, len(chunks), len(chunk))
             work.mkdir(parents=True, exist_ok=True)
-            states = extract_with_vllm(config.server.python, model_path(config), layers, [(ids[k], seqs[k]) for k in chunk], work,
+            states = extract_with_vllm(config.server.python or sys.executable, model_path(config), layers, [(ids[k], seqs[k]) for k in chunk], work,
                                        hs.timeout_s, env=dict(config.server.env), log=log)
             for k in chunk:
                 h = torch.from_numpy(states.pop(ids[k]))  # [T, 4, H]

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import ROOT
+from conftest import DEMO_RECIPE, ROOT
+
+from eagle3.config import overlay, read_toml
 from prefect_server import VENV, Server, free_port, stop_group
 
 pytestmark = pytest.mark.integration
@@ -53,7 +55,7 @@ def test_nightly_deployment_runs_and_a_second_night_generates_nothing_new(tmp_pa
         worker = subprocess.Popen([VENV / "prefect", "worker", "start", "--pool", "eagle3-process"], env=server.env, cwd=ROOT,
                                   stdout=worker_log, stderr=subprocess.STDOUT, start_new_session=True)
         run = tmp_path / "nightly"
-        params = {"config": {"run_dir": str(run), "data": {"limit": 10, "num_shards": 2}, "server": {"python": str(VLLM_PYTHON)}}}
+        params = {"config": overlay(read_toml(DEMO_RECIPE), {"run_dir": str(run), "data": {"limit": 10, "num_shards": 2}, "server": {"python": str(VLLM_PYTHON)}})}
         assert trigger(server, params) == "COMPLETED", (tmp_path / "worker.log").read_text()[-4000:]
         gen = run / "generations"
         first = {f.name: (f.stat().st_mtime_ns, f.read_text()) for f in sorted(gen.glob("shard-?????.jsonl"))}
@@ -131,8 +133,8 @@ def test_a_postgres_backed_server_runs_a_flow(tmp_path):
         wait_and_create_db(port)
         url = f"postgresql+asyncpg://prefect@127.0.0.1:{port}/prefect"
         server = Server(tmp_path / "prefect", {"PREFECT_API_DATABASE_CONNECTION_URL": url})
-        out = subprocess.run([VENV / "python", "-c", "from flows.prepare import prepare_flow; from eagle3.config import load_config; "
-                              f"s = prepare_flow(load_config(None, ['run_dir=\"{tmp_path / 'run'}\"']), return_state=True); print(s.type.value)"],
+        out = subprocess.run([VENV / "python", "-c", "from flows.prepare import prepare_flow; from eagle3.config import DEMO_RECIPE, load_config; "
+                              f"s = prepare_flow(load_config(DEMO_RECIPE, ['run_dir=\"{tmp_path / 'run'}\"']), return_state=True); print(s.type.value)"],
                              env=server.env, cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0 and out.stdout.strip().endswith("COMPLETED"), out.stderr[-3000:]
         runs = httpx.post(f"{server.api}/flow_runs/filter", json={}, timeout=10).json()
@@ -160,7 +162,7 @@ def test_two_workers_share_one_pool(tmp_path):
                                             env=server.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         ids = []
         for k in range(4):
-            out = server.prefect("deployment", "run", "eagle3-prepare/scale-out", "--params", json.dumps({"config": {"run_dir": str(tmp_path / f"run-{k}")}}))
+            out = server.prefect("deployment", "run", "eagle3-prepare/scale-out", "--params", json.dumps({"config": overlay(read_toml(DEMO_RECIPE), {"run_dir": str(tmp_path / f"run-{k}")})}))
             ids.append(next(line.split("UUID:")[1].strip() for line in out.stdout.splitlines() if "UUID:" in line))
         deadline = time.monotonic() + 400
         while time.monotonic() < deadline and any(flow_run_state(server, i) not in ("COMPLETED", "FAILED", "CRASHED") for i in ids):

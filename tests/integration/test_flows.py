@@ -13,7 +13,7 @@ from fake_openai import FakeConfig, FaultRule, run_fake_server
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterParentFlowRunId
 
-from conftest import PYTHON, ROOT
+from conftest import DEMO_RECIPE, PYTHON, ROOT
 
 pytestmark = pytest.mark.integration
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -125,13 +125,13 @@ def test_prepare_flow_rerun_is_skipped(prefect_server, demo_config):
 
 
 def test_failed_prepare_fails_the_flow_run(prefect_server, tmp_path):
-    from eagle3.config import load_config
+    from eagle3.config import DEMO_RECIPE, load_config
     from eagle3.prepare.stage import PrepareError
     from flows.prepare import prepare_flow
 
     src = tmp_path / "bad.jsonl"
     src.write_text('{"text": 1}\n{"text": 2}\n')
-    state = prepare_flow(load_config(None, [f'run_dir="{tmp_path / "run"}"', f'data.source="{src}"']), return_state=True)
+    state = prepare_flow(load_config(DEMO_RECIPE, [f'run_dir="{tmp_path / "run"}"', f'data.source="{src}"']), return_state=True)
     assert state.is_failed()
     with pytest.raises(PrepareError, match="2 of 2 candidate prompts were rejected"):
         state.result()
@@ -239,7 +239,7 @@ def test_eagle3_run_end_to_end_from_the_cli(tmp_path):
     env.pop("PREFECT_API_URL", None)
     # The whole demo (302 prompts), as `make demo` runs it: the drafter must learn enough to beat an untrained one live.
     result = subprocess.run(
-        [PYTHON, "-m", "eagle3.cli", "run", "--set", f'run_dir="{tmp_path / "run"}"', "--set", f'server.python="{VLLM_PYTHON}"'],
+        [PYTHON, "-m", "eagle3.cli", "run", "--config", str(DEMO_RECIPE), "--set", f'run_dir="{tmp_path / "run"}"', "--set", f'server.python="{VLLM_PYTHON}"'],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=1500,
     )
     assert result.returncode == 0, result.stderr[-3000:]

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PYTHON, ROOT
+from conftest import DEMO_RECIPE, PYTHON, ROOT
 
 pytestmark = pytest.mark.integration
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -288,7 +288,7 @@ def test_sigkill_inside_each_stage_then_rerun_matches_uninterrupted(tmp_path):
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PYTHONUNBUFFERED": "1"}
     env.pop("PREFECT_API_URL", None)
     run, ref_prep, ref = tmp_path / "killed", tmp_path / "ref-prepare", tmp_path / "ref-stages"
-    sets = [a for s in SMALL for a in ("--set", s)]
+    sets = ["--config", str(DEMO_RECIPE), *(a for s in SMALL for a in ("--set", s))]
     in_run = lambda r: [*sets, "--set", f'run_dir="{r}"']  # noqa: E731
     sessions: dict[int, int] = {}
     report = []

@@ -34,9 +34,9 @@ def needs_vllm():
 
 
 def _config(run_dir: Path, *sets: str):
-    from eagle3.config import load_config
+    from eagle3.config import DEMO_RECIPE, load_config
 
-    return load_config(None, [
+    return load_config(DEMO_RECIPE, [
         f'run_dir="{run_dir}"', f'server.python="{VLLM_PYTHON}"', "server.startup_timeout_s=300", "server.stop_grace_s=30",
         "evaluate.num_prompts=4", "evaluate.max_tokens=32", f"evaluate.num_speculative_tokens={SPEC_TOKENS}",
         "train.eval_fraction=0.5", *sets,

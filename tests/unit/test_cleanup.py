@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.config import ConfigError, PipelineConfig, load_config
+from eagle3.config import DEMO_RECIPE, ConfigError, PipelineConfig, load_config
 from eagle3.durable import UnsafeDeleteError, remove_inside
 
 
@@ -142,7 +142,7 @@ def test_hidden_vllm_work_dir_symlinked_out_survives_the_stage_cleanup(layout, m
     monkeypatch.setattr(backend, "extract_with_vllm", failing_extract)
     monkeypatch.setattr(stage, "_num_layers", lambda config: 4)
     monkeypatch.setattr(stage, "model_path", lambda config: "unused")
-    config = load_config(None, [f'run_dir="{run}"'])
+    config = load_config(DEMO_RECIPE, [f'run_dir="{run}"'])
     plan = types.SimpleNamespace(layer_ids=[1, 2, 3])
     with pytest.raises(RuntimeError, match="worker died"):
         stage._fill_with_vllm(config, "shard-00000.parquet", ["a"], [[1, 2, 3]], plan, None, logging.getLogger("test"))
@@ -214,7 +214,7 @@ def test_prepare_never_removes_stale_shards_through_a_symlinked_prompts_folder(l
     src = run / "p.jsonl"
     src.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q {i}"}]}) + "\n" for i in range(4)))
     with pytest.raises(UnsafeDeleteError, match="not strictly inside"):
-        run_prepare(load_config(None, [f'run_dir="{run}"', f'data.source="{src}"', "data.num_shards=1"]))
+        run_prepare(load_config(DEMO_RECIPE, [f'run_dir="{run}"', f'data.source="{src}"', "data.num_shards=1"]))
     assert (outside / "shard-00007.parquet").read_text() == "someone else's file"
     assert canary_alive(outside)
 
@@ -227,7 +227,7 @@ def test_prepare_removes_stale_shards_inside_the_run_dir(layout):
     (run / "prompts" / "shard-00007.parquet").write_text("stale")
     src = run / "p.jsonl"
     src.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q {i}"}]}) + "\n" for i in range(4)))
-    run_prepare(load_config(None, [f'run_dir="{run}"', f'data.source="{src}"', "data.num_shards=1"]))
+    run_prepare(load_config(DEMO_RECIPE, [f'run_dir="{run}"', f'data.source="{src}"', "data.num_shards=1"]))
     assert not (run / "prompts" / "shard-00007.parquet").exists()
 
 
@@ -238,7 +238,7 @@ def test_prepare_removes_stale_shards_inside_the_run_dir(layout):
                                      os.path.dirname(os.path.expanduser("~"))])
 def test_config_refuses_unsafe_run_dirs(run_dir):
     with pytest.raises(ConfigError, match="not a safe run directory"):
-        load_config(None, [f"run_dir={json.dumps(run_dir)}"])
+        load_config(DEMO_RECIPE, [f"run_dir={json.dumps(run_dir)}"])
 
 
 def test_config_accepts_ordinary_run_dirs(tmp_path):

@@ -7,7 +7,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-from conftest import PYTHON, ROOT
+from conftest import DEMO_RECIPE, PYTHON, ROOT
 
 EAGLE3 = [PYTHON, "-m", "eagle3.cli"]
 
@@ -71,16 +71,16 @@ def test_config_error_is_one_clear_message(tmp_path):
 
 
 def test_bad_source_is_one_clear_message(tmp_path):
-    result = run("prepare", "--set", f'run_dir="{tmp_path}/r"', "--set", "data.source=./missing.jsonl")
+    result = run("prepare", "--config", str(DEMO_RECIPE), "--set", f'run_dir="{tmp_path}/r"', "--set", "data.source=./missing.jsonl")
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert "data.source './missing.jsonl': no such file or folder" in result.stderr
 
 
 def test_status_reads_the_manifest(tmp_path):
-    from eagle3.config import load_config
+    from eagle3.config import DEMO_RECIPE, load_config
     from eagle3.prepare.stage import run_prepare
 
-    run_prepare(load_config(None, [f'run_dir="{tmp_path}"']))
+    run_prepare(load_config(DEMO_RECIPE, [f'run_dir="{tmp_path}"']))
     result = run("status", str(tmp_path))
     assert result.returncode == 0, result.stderr
     line = next(x for x in result.stdout.splitlines() if x.startswith("prepare"))
@@ -104,11 +104,11 @@ def test_make_tiny_builds_a_loadable_model(tmp_path):
 
 
 def test_extract_without_tokenized_shards_is_one_clear_message(tmp_path):
-    from eagle3.config import load_config
+    from eagle3.config import DEMO_RECIPE, load_config
     from eagle3.prepare.stage import run_prepare
 
-    run_prepare(load_config(None, [f'run_dir="{tmp_path}"']))
-    result = run("extract", "--set", f'run_dir="{tmp_path}"')
+    run_prepare(load_config(DEMO_RECIPE, [f'run_dir="{tmp_path}"']))
+    result = run("extract", "--config", str(DEMO_RECIPE), "--set", f'run_dir="{tmp_path}"')
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert "shard-00000.done.json not found: shard shard-00000.parquet has not been tokenized" in result.stderr
 

@@ -2,7 +2,9 @@ import tomllib
 
 import pytest
 
-from eagle3.config import ConfigError, PipelineConfig, load_config, parse_set, section_hash, to_toml
+from eagle3.config import DEMO_RECIPE, RECIPES_DIR, ConfigError, PipelineConfig, load_config, parse_set, section_hash, to_toml
+
+from conftest import ROOT
 
 
 def write(tmp_path, text):
@@ -11,11 +13,59 @@ def write(tmp_path, text):
     return path
 
 
-def test_defaults_are_the_demo():
+def test_defaults_are_real_model_defaults():
     config = load_config()
-    assert config.data.source == "builtin:demo_prompts"
-    assert config.server.model == "tiny:qwen3"
+    assert config.server.model == "meta-llama/Llama-3.1-8B-Instruct" and not config.server.model.startswith("tiny:")
+    assert config.server.args == [] and config.server.env == {} and config.server.python is None
+    assert config.server.reasoning_parser == "auto"
+    assert (config.train.ttt_steps, config.train.learning_rate, config.train.epochs, config.train.batch_tokens) == (7, 1e-4, 2, 16384)
     assert config.server.host == "127.0.0.1"
+
+
+def test_a_tiny_target_no_longer_switches_training_values():
+    """The demo's training values come from its recipe, never from the model's name."""
+    config = load_config(None, ['server.model="tiny:qwen3"'])
+    assert (config.train.learning_rate, config.train.epochs, config.train.batch_tokens, config.train.ttt_steps) == (1e-4, 2, 16384, 7)
+
+
+def test_the_demo_recipe_holds_the_demo_values():
+    config = load_config(DEMO_RECIPE)
+    assert config.data.source == "builtin:demo_prompts" and config.server.model == "tiny:qwen3"
+    assert config.server.python == ".venv-vllm/bin/python" and "--enforce-eager" in config.server.args
+    assert (config.train.learning_rate, config.train.epochs, config.train.batch_tokens, config.train.ttt_steps) == (3e-3, 10, 2048, 3)
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES_DIR.glob("*.toml")), ids=lambda p: p.name)
+def test_every_recipe_parses_and_says_why(recipe):
+    load_config(recipe)
+    text = recipe.read_text()
+    assert text.lstrip().startswith("#"), f"{recipe.name} opens with what it is for"
+    unexplained, explained_by_block = [], False
+    for line in text.splitlines():
+        bare = line.strip()
+        if not bare or bare.startswith("["):
+            explained_by_block = False
+        elif bare.startswith("#"):
+            explained_by_block = True  # a comment explains the run of values right below it
+        elif "=" in bare and "#" not in bare and not explained_by_block:
+            unexplained.append(bare)
+    assert unexplained == [], f"{recipe.name}: values without a reason: {unexplained}"
+
+
+def test_make_demo_runs_the_demo_recipe():
+    makefile = (ROOT / "Makefile").read_text()
+    assert "--config recipes/tiny-demo.toml" in makefile
+
+
+def test_prefect_form_shows_the_real_defaults():
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.pipeline import pipeline_flow
+
+    schema = parameter_schema(pipeline_flow.fn).model_dump()
+    assert schema["properties"]["config"]["default"] == PipelineConfig().model_dump(mode="json")
+    train = schema["definitions"]["TrainConfig"]["properties"]
+    assert train["learning_rate"]["default"] == 1e-4 and train["ttt_steps"]["default"] == 7
 
 
 def test_every_knob_is_documented():
@@ -117,7 +167,17 @@ def test_section_hash_tracks_values():
 
 
 def test_config_reference_doc_is_current():
-    from conftest import ROOT
-
     doc = (ROOT / "docs" / "config-reference.toml").read_text()
     assert doc == to_toml(load_config(), docs=True), "regenerate: eagle3 config show --docs > docs/config-reference.toml"
+
+
+def test_deployments_carry_the_demo_recipe():
+    """prefect.yaml repeats the demo recipe's values (a deployment cannot name a file): keep them equal."""
+    import yaml
+
+    recipe = load_config(DEMO_RECIPE)
+    spec = yaml.safe_load((ROOT / "deployments" / "prefect.yaml").read_text())
+    for deployment in spec["deployments"]:
+        tree = deployment["parameters"]["config"]
+        config = PipelineConfig.model_validate({**tree, "run_dir": recipe.run_dir})
+        assert config == recipe, deployment["name"]

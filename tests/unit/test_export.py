@@ -229,9 +229,9 @@ def test_validate_catches_config_problems(tmp_path, targets):
 
 
 def _run_config(tmp_path: Path, model: str = "tiny:qwen3", *sets: str):
-    from eagle3.config import load_config
+    from eagle3.config import DEMO_RECIPE, load_config
 
-    return load_config(None, [f'run_dir="{tmp_path / "run"}"', f'server.model="{model}"', *sets])
+    return load_config(DEMO_RECIPE, [f'run_dir="{tmp_path / "run"}"', f'server.model="{model}"', *sets])
 
 
 def test_run_export_picks_best_and_skips_sglang_for_qwen3(tmp_path, targets):

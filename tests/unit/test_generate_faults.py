@@ -12,7 +12,7 @@ from pathlib import Path
 
 from fake_openai import FakeConfig, FaultRule, run_fake_server
 
-from eagle3.config import load_config
+from eagle3.config import DEMO_RECIPE, load_config
 from eagle3.generate.client import EndpointPool
 from eagle3.generate.records import read_records
 from eagle3.generate.shard import generate_shard, paths
@@ -24,7 +24,7 @@ FAST = ["generation.backoff_base_s=0.05", "generation.backoff_max_s=0.2", "gener
 def make_run(tmp_path, prompts, *sets):
     src = tmp_path / "prompts.jsonl"
     src.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": p}]}) + "\n" for p in prompts))
-    config = load_config(None, [f'run_dir="{tmp_path / "run"}"', f'data.source="{src}"', "data.num_shards=1", *FAST, *sets])
+    config = load_config(DEMO_RECIPE, [f'run_dir="{tmp_path / "run"}"', f'data.source="{src}"', "data.num_shards=1", *FAST, *sets])
     shard = Path(run_prepare(config).out_dir) / "shard-00000.parquet"
     return config, shard
 
@@ -165,11 +165,11 @@ def test_torn_last_line_is_repaired_on_resume(tmp_path):
 KILL_SCRIPT = """
 import asyncio, sys
 from pathlib import Path
-from eagle3.config import load_config
+from eagle3.config import DEMO_RECIPE, load_config
 from eagle3.generate.client import EndpointPool
 from eagle3.generate.shard import generate_shard
 
-config = load_config(None, sys.argv[3:])
+config = load_config(DEMO_RECIPE, sys.argv[3:])
 async def go():
     pool = EndpointPool([sys.argv[2]], None, config.generation.concurrency, 30)
     await generate_shard(sys.argv[1], Path(config.run_dir) / "generations", config.generation, "fake-target", pool)

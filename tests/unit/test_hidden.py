@@ -7,7 +7,7 @@ import pytest
 import torch
 from hidden_runs import LENGTHS, make_run, samples
 
-from eagle3.config import load_config
+from eagle3.config import DEMO_RECIPE, load_config
 from eagle3.hidden.errors import (
     DiskSpaceError,
     ExtractInputError,
@@ -61,7 +61,7 @@ def test_config_rejects_layer_ids_that_are_not_three_distinct():
     from eagle3.config import ConfigError
 
     with pytest.raises(ConfigError, match="layer_ids"):
-        load_config(None, ["hidden_states.layer_ids=[1, 1, 2]"])
+        load_config(DEMO_RECIPE, ["hidden_states.layer_ids=[1, 1, 2]"])
 
 
 def test_length_batches_cover_every_sample_once_within_the_token_budget():

@@ -16,11 +16,11 @@ from conftest import ROOT
 
 STAGE = """
 import sys
-from eagle3.config import load_config
+from eagle3.config import DEMO_RECIPE, load_config
 from eagle3.tokenize.stage import load_tokenizer, tokenize_shard, tokenizer_path
 from eagle3.vocab_stage import run_vocab
 from eagle3.hidden.stage import extract_shard, plan
-config = load_config(None, [f'run_dir="{sys.argv[1]}"', 'data.num_shards=2', 'hidden_states.dtype="float32"', 'vocab.draft_vocab_size=1000'])
+config = load_config(DEMO_RECIPE, [f'run_dir="{sys.argv[1]}"', 'data.num_shards=2', 'hidden_states.dtype="float32"', 'vocab.draft_vocab_size=1000'])
 names = ["shard-00000.parquet", "shard-00001.parquet"]
 path = tokenizer_path(config)
 tok = load_tokenizer(path)
@@ -36,7 +36,7 @@ print("done", flush=True)
 
 def make_inputs(run: Path, n: int = 400) -> None:
     """Prompt shards and finished generation shards with server ids, as the generate stage leaves them."""
-    from eagle3.config import load_config
+    from eagle3.config import DEMO_RECIPE, load_config
     from eagle3.generate.records import JsonlAppender
     from eagle3.prepare.stage import run_prepare
     from eagle3.tokenize.build import render_ids
@@ -44,7 +44,7 @@ def make_inputs(run: Path, n: int = 400) -> None:
 
     src = run.parent / f"{run.name}-prompts.jsonl"
     src.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"question {i}: " + "word " * (i % 50)}]}) + "\n" for i in range(n)))
-    config = load_config(None, [f'run_dir="{run}"', f'data.source="{src}"', "data.num_shards=2"])
+    config = load_config(DEMO_RECIPE, [f'run_dir="{run}"', f'data.source="{src}"', "data.num_shards=2"])
     run_prepare(config)
     tok = load_tokenizer(tokenizer_path(config))
     import pyarrow.parquet as pq

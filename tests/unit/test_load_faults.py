@@ -11,7 +11,7 @@ from pathlib import Path
 
 from fake_openai import FakeConfig, FaultRule, completion_for, run_fake_server
 
-from eagle3.config import load_config
+from eagle3.config import DEMO_RECIPE, load_config
 from eagle3.generate.client import EndpointPool, deadline_s
 from eagle3.generate.shard import generate_shard, paths
 from eagle3.generate.stage import out_dir, prepared_shards
@@ -25,7 +25,7 @@ def _run(tmp_path):
     src = tmp_path / "prompts.jsonl"
     texts = [f"load test prompt {i}" for i in range(N - 1)] + [f"please {EXHAUSTED} now"]
     src.write_text("".join(json.dumps({"messages": [{"role": "user", "content": t}]}) + "\n" for t in texts))
-    config = load_config(None, [
+    config = load_config(DEMO_RECIPE, [
         f'run_dir="{tmp_path / "run"}"', f'data.source="{src}"', f"data.num_shards={SHARDS}", "generation.max_tokens=64",
         f"generation.concurrency={CONCURRENCY}", f"generation.shard_parallelism={SHARDS}", "generation.request_timeout_s=10",
         "generation.max_attempts=3", "generation.backoff_base_s=0.05", "generation.backoff_max_s=0.2",

@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from eagle3.config import load_config
+from eagle3.config import DEMO_RECIPE, load_config
 from eagle3.manifest import read_manifest
 from eagle3.prepare.sources import SourceError
 from eagle3.prepare.stage import MARKER, PrepareError, run_prepare, shard_of
@@ -23,7 +23,7 @@ DEMO_BAD_KINDS = {
 
 
 def config_for(run_dir, *sets):
-    return load_config(None, [f'run_dir="{run_dir}"', *sets])
+    return load_config(DEMO_RECIPE, [f'run_dir="{run_dir}"', *sets])
 
 
 def read_shards(out: Path):
@@ -203,9 +203,9 @@ def test_unsupported_file_and_bad_json_array(tmp_path):
 
 KILL_SCRIPT = """
 import sys
-from eagle3.config import load_config
+from eagle3.config import DEMO_RECIPE, load_config
 from eagle3.prepare.stage import run_prepare
-run_prepare(load_config(None, sys.argv[1:]))
+run_prepare(load_config(DEMO_RECIPE, sys.argv[1:]))
 """
 
 

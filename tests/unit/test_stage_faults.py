@@ -210,12 +210,12 @@ def test_a_prompt_shard_with_the_wrong_columns_is_refused_before_any_request(tmp
 def test_a_prompt_shard_with_the_wrong_columns_is_refused_by_tokenize(tmp_path):
     from test_kills import make_inputs
 
-    from eagle3.config import load_config
+    from eagle3.config import DEMO_RECIPE, load_config
     from eagle3.tokenize.stage import load_tokenizer, tokenize_shard, tokenizer_path
 
     run = tmp_path / "run"
     make_inputs(run, n=20)
-    config = load_config(None, [f'run_dir="{run}"', "data.num_shards=2"])
+    config = load_config(DEMO_RECIPE, [f'run_dir="{run}"', "data.num_shards=2"])
     shard = run / "prompts" / "shard-00000.parquet"
     table = pq.read_table(shard)
     pq.write_table(table.drop_columns(["messages"]), shard)
@@ -289,7 +289,7 @@ def test_layer_ids_changed_after_extraction_are_refused_by_train(tmp_path):
 def test_a_tokenizer_changed_since_tokenize_is_refused_by_extract_and_train(tmp_path):
     from test_kills import make_inputs
 
-    from eagle3.config import load_config
+    from eagle3.config import DEMO_RECIPE, load_config
     from eagle3.hidden.stage import plan
     from eagle3.models import resolve_model
     from eagle3.tokenize.stage import load_tokenizer, tokenize_shard, tokenizer_path
@@ -299,7 +299,7 @@ def test_a_tokenizer_changed_since_tokenize_is_refused_by_extract_and_train(tmp_
     make_inputs(run, n=24)
     model = tmp_path / "model"
     shutil.copytree(resolve_model("tiny:qwen3"), model)  # a copy: the shared cache stays as it is
-    config = load_config(None, [f'run_dir="{run}"', f'server.model="{model}"', "data.num_shards=2", 'hidden_states.dtype="float32"'])
+    config = load_config(DEMO_RECIPE, [f'run_dir="{run}"', f'server.model="{model}"', "data.num_shards=2", 'hidden_states.dtype="float32"'])
     names = ["shard-00000.parquet", "shard-00001.parquet"]
     tok = load_tokenizer(tokenizer_path(config))
     for name in names:
@@ -308,7 +308,7 @@ def test_a_tokenizer_changed_since_tokenize_is_refused_by_extract_and_train(tmp_
     assert marker["tokenizer"] == str(model) and len(marker["tokenizer_sha256"]) == 16
     plan(config, names)  # same tokenizer: no complaint
 
-    moved = load_config(None, [f'run_dir="{run}"', 'server.model="tiny:qwen3"', "data.num_shards=2"])
+    moved = load_config(DEMO_RECIPE, [f'run_dir="{run}"', 'server.model="tiny:qwen3"', "data.num_shards=2"])
     plan(moved, names)  # the same tokenizer files in another folder: still the same tokenizer
 
     spec = json.loads((model / "tokenizer.json").read_text())

@@ -12,7 +12,7 @@ from conftest import ROOT
 sys.path.insert(0, str(ROOT / "tests" / "golden"))
 from tokenize_cases import CONVERSATIONS, TEMPLATES, render_all, tokenizer_for  # noqa: E402
 
-from eagle3.config import load_config  # noqa: E402
+from eagle3.config import DEMO_RECIPE, load_config  # noqa: E402
 from eagle3.generate.records import JsonlAppender  # noqa: E402
 from eagle3.prepare.stage import run_prepare  # noqa: E402
 from eagle3.tokenize.build import from_template, render_ids  # noqa: E402
@@ -64,7 +64,7 @@ def make_run(tmp_path, records_for, *sets, prompts=None):
     prompts = prompts or [f"question number {i}?" for i in range(6)]
     src = tmp_path / "p.jsonl"
     src.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": p}]}) + "\n" for p in prompts))
-    config = load_config(None, [f'run_dir="{tmp_path / "run"}"', f'data.source="{src}"', "data.num_shards=1", *sets])
+    config = load_config(DEMO_RECIPE, [f'run_dir="{tmp_path / "run"}"', f'data.source="{src}"', "data.num_shards=1", *sets])
     run_prepare(config)
     table = pq.read_table(Path(config.run_dir) / "prompts" / "shard-00000.parquet").to_pylist()
     tok = load_tokenizer(tokenizer_path(config))

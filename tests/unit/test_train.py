@@ -245,21 +245,21 @@ def test_two_runs_on_one_machine_train_at_once(tmp_path):
 
 
 def test_torchrun_gets_the_multi_node_settings():
-    from eagle3.config import ConfigError, load_config
+    from eagle3.config import DEMO_RECIPE, ConfigError, load_config
     from eagle3.train.stage import torchrun_argv
 
-    one = torchrun_argv(load_config(None, []), Path("/r/request.json"))
+    one = torchrun_argv(load_config(DEMO_RECIPE, []), Path("/r/request.json"))
     assert "--nproc-per-node=1" in one and "--nnodes=1" in one and "--standalone" in one and one[-3:] == ["-m", "eagle3.train.worker", "/r/request.json"]
     assert not any(a.startswith(("--master-port", "--rdzv-endpoint")) for a in one), one
-    fixed = torchrun_argv(load_config(None, ['train.rdzv_endpoint="127.0.0.1:29555"']), Path("/r/request.json"))
+    fixed = torchrun_argv(load_config(DEMO_RECIPE, ['train.rdzv_endpoint="127.0.0.1:29555"']), Path("/r/request.json"))
     assert "--master-addr=127.0.0.1" in fixed and "--master-port=29555" in fixed and "--standalone" not in fixed
     with pytest.raises(ConfigError, match="rdzv_endpoint as host:port of node 0"):
-        load_config(None, ["train.nnodes=2"])
+        load_config(DEMO_RECIPE, ["train.nnodes=2"])
     with pytest.raises(ConfigError, match="node_rank=2 must be below train.nnodes=2"):
-        load_config(None, ["train.nnodes=2", "train.node_rank=2", 'train.rdzv_endpoint="node0:29400"'])
-    either_order = load_config(None, ['train.rdzv_endpoint="node0:29400"', "train.nnodes=2", "train.node_rank=1"])
+        load_config(DEMO_RECIPE, ["train.nnodes=2", "train.node_rank=2", 'train.rdzv_endpoint="node0:29400"'])
+    either_order = load_config(DEMO_RECIPE, ['train.rdzv_endpoint="node0:29400"', "train.nnodes=2", "train.node_rank=1"])
     assert either_order.train.nnodes == 2 and either_order.train.node_rank == 1
-    many = torchrun_argv(load_config(None, ["train.nnodes=4", "train.node_rank=2", "train.nproc_per_node=8", 'train.rdzv_endpoint="node0:29400"',
+    many = torchrun_argv(load_config(DEMO_RECIPE, ["train.nnodes=4", "train.node_rank=2", "train.nproc_per_node=8", 'train.rdzv_endpoint="node0:29400"',
                                             'train.rdzv_id="job7"']), Path("/r/request.json"))
     for flag in ("--nproc-per-node=8", "--nnodes=4", "--node-rank=2", "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29400", "--rdzv-id=job7"):
         assert flag in many, (flag, many)
