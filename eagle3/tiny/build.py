@@ -55,7 +55,9 @@ def build_tiny(out_dir, arch: str = "qwen3", tie_embeddings: bool = False) -> Pa
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = fresh_dir(out.parent, f".{out.name}.tmp")
     try:
-        write_model_dir(spec, tmp, tie_embeddings)
+        write_model_dir(spec, tmp)
+        if tie_embeddings:
+            tie_head(tmp)
         swap_into_place(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -114,7 +116,7 @@ def swap_into_place(tmp: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def write_model_dir(spec: ArchSpec, out: Path, tie_embeddings: bool = False) -> None:
+def write_model_dir(spec: ArchSpec, out: Path) -> None:
     from eagle3.tiny.tokenizer import build_tokenizer, save_tokenizer
 
     hf_tok = build_tokenizer(spec)
@@ -123,9 +125,6 @@ def write_model_dir(spec: ArchSpec, out: Path, tie_embeddings: bool = False) -> 
         model.save_pretrained(str(out))
     save_tokenizer(hf_tok, out)
     marker = {"arch": spec.name, "build_version": BUILD_VERSION}
-    if tie_embeddings:
-        tie_head(out)
-        marker["tie_embeddings"] = True  # only when set: the default build stays byte-identical
     (out / MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     file_mode = out.stat().st_mode & 0o666
     for f in out.iterdir():
@@ -145,10 +144,12 @@ def tie_head(out: Path) -> None:
     tensors = load_file(str(weights))
     del tensors["lm_head.weight"]
     save_file(tensors, str(weights), metadata={"format": "pt"})
-    config_path = out / "config.json"
-    config = json.loads(config_path.read_text(encoding="utf-8"))
-    config["tie_word_embeddings"] = True
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    # Only a tied build carries these keys: the default build stays byte-identical.
+    for name, key in (("config.json", "tie_word_embeddings"), (MARKER, "tie_embeddings")):
+        path = out / name
+        data = json.loads(path.read_text(encoding="utf-8"))
+        data[key] = True
+        path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 @contextlib.contextmanager

@@ -235,6 +235,8 @@ def test_the_tied_build_stores_no_head_and_transformers_ties_it(tied, tiny):
     assert untied - names == {"lm_head.weight"} and "lm_head.weight" in untied
     assert json.loads((tied / "config.json").read_text())["tie_word_embeddings"] is True
     assert json.loads((tiny / "config.json").read_text())["tie_word_embeddings"] is False
+    assert json.loads((tied / "eagle3_tiny.json").read_text())["tie_embeddings"] is True
+    assert "tie_embeddings" not in json.loads((tiny / "eagle3_tiny.json").read_text())
     model = AutoModelForCausalLM.from_pretrained(str(tied), dtype=torch.float32)
     assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
     assert torch.equal(model.model.embed_tokens.weight, load_file(str(tiny / "model.safetensors"))["model.embed_tokens.weight"].float())
