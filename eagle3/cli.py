@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("out_dir", metavar="OUT_DIR", help="the model folder to write (server.model points here)")
     imp.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
                      help="weight dtype of the saved folder (default bfloat16: what vLLM and extraction run in)")
+    tiny.add_argument("--tie-embeddings", action="store_true", help="a tied target (no lm_head; the embedding is the head)")
     config = sub.add_parser("config", help="inspect configuration")
     config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
     show = config_sub.add_parser("show", help="print the resolved config as TOML")
@@ -64,11 +65,22 @@ def _load(args: argparse.Namespace):
     return load_config(args.config, args.sets)
 
 
-def _preflight(config) -> None:
+def _preflight(config, command: str = "run") -> None:
     """Catch what is wrong before a Prefect server starts and a flow run is recorded."""
     from eagle3.prepare.sources import local_files
 
     local_files(config.data.source)  # raises SourceError naming a missing file or folder
+    if _reads_model_files(config, command):
+        from eagle3.models import resolve_model
+
+        # A hub id absent from the cache fails here in one line (or is downloaded once, online).
+        for spec in dict.fromkeys(s for s in (config.server.model, config.tokenize.tokenizer) if s):
+            resolve_model(spec)
+
+
+def _reads_model_files(config, command: str) -> bool:
+    """Every stage but prepare reads the target's files; generate only when it starts the server."""
+    return command not in ("prepare", "generate") or config.server.mode == "managed"
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
@@ -81,7 +93,7 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 def cmd_make_tiny(args: argparse.Namespace) -> int:
     from eagle3.tiny import build_tiny
 
-    out = build_tiny(args.out_dir, arch=args.arch)
+    out = build_tiny(args.out_dir, arch=args.arch, tie_embeddings=args.tie_embeddings)
     print(f"built tiny {args.arch} model and tokenizer in {out}")
     return 0
 
@@ -160,7 +172,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
     if args.command not in BUILT:
         print(f"eagle3 {args.command}: this stage is not built yet; built so far: {', '.join(BUILT)}", file=sys.stderr)
         return 2
-    _preflight(config)
+    _preflight(config, args.command)
     if args.command == "extract":  # its inputs exist already: check them (and the disk) before any flow run
         from eagle3.hidden.stage import check_disk, plan
         from tasks.tokenize import shard_names
@@ -182,6 +194,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from eagle3.durable import DiskWriteError
     from eagle3.generate.stage import GenerationFailed, MissingInputError
     from eagle3.manifest import AccountingError
+    from eagle3.models import ModelDownloadError, ModelNotFoundError
     from eagle3.prepare.sources import SourceError
     from eagle3.prepare.stage import PrepareError
     from eagle3.schemas import SchemaError, TokenizerMismatchError
@@ -194,7 +207,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from eagle3.train.stage import TrainDataError, TrainFailed, TrainInputError
 
     return (ConfigError, SourceError, PrepareError, AccountingError, FileNotFoundError, GenerationFailed, MissingInputError, ServerError, TokenizeInputError, *EXTRACT_ERRORS, TrainDataError, TrainFailed, TrainInputError, ExportError, MissingInput, EvaluationFailed, DiskWriteError,
-            SchemaError, TokenizerMismatchError, ImportModelError)
+            SchemaError, TokenizerMismatchError, ImportModelError, ModelNotFoundError, ModelDownloadError)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from eagle3.config import PipelineConfig, section_hash
 from eagle3.manifest import StageCounts, record_stage
-from eagle3.tokenize.stage import load_tokenizer, tokenizer_path, vocab_size
+from eagle3.tokenize.stage import load_tokenizer, target_vocab_size, tokenizer_path
 from eagle3.vocab import build, must_keep, save, sum_counts
 
 
@@ -16,7 +16,7 @@ def run_vocab(config: PipelineConfig, shards: list[str], logger=None) -> dict:
     run = Path(config.run_dir)
     path = tokenizer_path(config)
     tokenizer = load_tokenizer(path)
-    target = vocab_size(tokenizer, path)
+    target = target_vocab_size(config, tokenizer, path)
     count_files = [run / "tokenized" / f"{Path(s).stem}.counts.safetensors" for s in shards]
     missing = [str(p) for p in count_files if not p.exists()]
     if missing:

@@ -18,6 +18,7 @@ PERMANENT = frozenset({
     "eagle3.schemas.SchemaError",
     "eagle3.schemas.TokenizerMismatchError",
     "eagle3.manifest.AccountingError",
+    "eagle3.models.ModelNotFoundError",
     "eagle3.generate.records.RecordFileError",
     "eagle3.tokenize.stage.TokenizeInputError",
     "eagle3.hidden.errors.ExtractInputError",

@@ -119,12 +119,14 @@ LOST_POLL_S = 1.0
 
 @contextlib.asynccontextmanager
 async def _managed(config: PipelineConfig, logger) -> AsyncIterator[Serving]:
-    from eagle3.models import resolve_model, template_hash, vllm_args, vllm_launcher
+    from eagle3.models import resolve_model, served_name, template_hash, vllm_args, vllm_launcher
     from eagle3.serving.managed import ManagedServer
 
     server = config.server
     model_path = await asyncio.to_thread(resolve_model, server.model)
-    name = server.served_model_name or model_path
+    # vLLM loads the resolved folder (no hub access at start-up, the same bytes every stage
+    # reads); requests and records use served_name's id (see eagle3/models.py).
+    name = served_name(server.model, model_path, server.served_model_name)
     managed = ManagedServer(
         command=vllm_launcher(server), model=model_path, served_model_name=name, host=server.host,
         extra_args=vllm_args(server, model_path), env=dict(server.env), log_path=Path(config.run_dir) / "generations" / "server.log",

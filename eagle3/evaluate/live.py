@@ -216,7 +216,7 @@ def live_acceptance(config: PipelineConfig, drafter_dir: str | Path, prompts: li
 
     Uses the managed-server settings (server.python/command, args, env) whatever server.mode
     says: the drafter is part of the server's command line, so this stage starts its own."""
-    from eagle3.models import resolve_model, vllm_args, vllm_launcher
+    from eagle3.models import resolve_model, served_name, vllm_args, vllm_launcher
     from eagle3.serving.managed import ManagedServer
 
     log = logger or logging.getLogger(__name__)
@@ -229,7 +229,7 @@ def live_acceptance(config: PipelineConfig, drafter_dir: str | Path, prompts: li
         log.warning("evaluate starts its own vLLM server (server.python/command) even though server.mode=external")
     temps = temps if temps is not None else temperatures(config)
     model = resolve_model(server.model)
-    name = server.served_model_name or model
+    name = served_name(server.model, model, server.served_model_name)
     command = vllm_launcher(server)
     extra = [*vllm_args(server, model), "--speculative-config", speculative_config(drafter_dir, ev.num_speculative_tokens)]
     managed = ManagedServer(command, model, served_model_name=name, host=server.host, extra_args=extra, env=dict(server.env),

@@ -105,10 +105,10 @@ def record(config: PipelineConfig, summary: dict, model: str, server: dict | Non
 
 def expected_target(config: PipelineConfig) -> tuple[str, str]:
     """(model name requests use, template hash) as target_server will report them, without a server."""
-    from eagle3.models import resolve_model, template_hash
+    from eagle3.models import resolve_model, served_name, template_hash
 
     server = config.server
     if server.mode == "external":
         return server.served_model_name or server.model, ""
     path = resolve_model(server.model)
-    return server.served_model_name or path, template_hash(path)
+    return served_name(server.model, path, server.served_model_name), template_hash(path)

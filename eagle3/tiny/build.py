@@ -42,12 +42,12 @@ MARKER = "eagle3_tiny.json"
 CACHE_ENV = "EAGLE3_CACHE_DIR"
 
 
-def build_tiny(out_dir, arch: str = "qwen3") -> Path:
+def build_tiny(out_dir, arch: str = "qwen3", tie_embeddings: bool = False) -> Path:
     """Build the tiny ``arch`` model directory at ``out_dir`` and return its path.
 
     An existing empty directory or earlier tiny build at ``out_dir`` is
     replaced; anything else there raises ``FileExistsError`` (never delete a
-    user's files).
+    user's files). ``tie_embeddings``: a tied target like SmolLM2 (see ``tie_head``).
     """
     spec = get_spec(arch)
     out = Path(out_dir).expanduser().absolute()
@@ -56,6 +56,8 @@ def build_tiny(out_dir, arch: str = "qwen3") -> Path:
     tmp = fresh_dir(out.parent, f".{out.name}.tmp")
     try:
         write_model_dir(spec, tmp)
+        if tie_embeddings:
+            tie_head(tmp)
         swap_into_place(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -127,6 +129,27 @@ def write_model_dir(spec: ArchSpec, out: Path) -> None:
     file_mode = out.stat().st_mode & 0o666
     for f in out.iterdir():
         f.chmod(file_mode)  # some writers create 0600 files; match the directory's umask
+
+
+def tie_head(out: Path) -> None:
+    """Make the saved model a tied one, as SmolLM2 or Gemma ship: no ``lm_head.weight`` in the
+    safetensors and ``tie_word_embeddings: true``, so the embedding is the head.
+
+    The embedding stays and the shaped head is dropped, so a tied build keeps its inputs but
+    loses the calibrated think/stop rates of weights.py: it is for the train and export paths,
+    not for sampling demos."""
+    from safetensors.torch import load_file, save_file
+
+    weights = out / "model.safetensors"
+    tensors = load_file(str(weights))
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    # Only a tied build carries these keys: the default build stays byte-identical.
+    for name, key in (("config.json", "tie_word_embeddings"), (MARKER, "tie_embeddings")):
+        path = out / name
+        data = json.loads(path.read_text(encoding="utf-8"))
+        data[key] = True
+        path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 @contextlib.contextmanager

@@ -16,7 +16,6 @@ Design choices:
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -89,11 +88,33 @@ def tokenizer_fingerprint(path: str) -> str:
     return digest.hexdigest()[:16]
 
 
-def vocab_size(tokenizer, path: str) -> int:
-    """The target's vocabulary: the model config's (embedding rows) when larger than the tokenizer's."""
-    config = Path(path) / "config.json"
-    declared = json.loads(config.read_text()).get("vocab_size", 0) if config.exists() else 0
-    return max(len(tokenizer), int(declared or 0))
+def vocab_size(tokenizer, *folders: str) -> int:
+    """The target's vocabulary: the largest of the tokenizer's length and the ``vocab_size``
+    (embedding rows) of each folder's config.json. Configs often pad the embedding past the
+    tokenizer (Qwen3: 151,936 rows for 151,669 tokens); ids, counts and ``t2d`` follow the rows."""
+    declared = [declared_vocab_size(Path(folder)) for folder in folders]
+    return max(len(tokenizer), *declared)
+
+
+def declared_vocab_size(folder: Path) -> int:
+    """``vocab_size`` of a folder's config.json (its ``text_config`` for multimodal models); 0 without one."""
+    path = folder / "config.json"
+    if not path.exists():
+        return 0
+    config = read_json(path)
+    value = (config.get("text_config") or config).get("vocab_size", config.get("vocab_size"))
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise TokenizeInputError(f"{path}: vocab_size={value!r} is not a non-negative integer")
+    return int(value or 0)
+
+
+def target_vocab_size(config: PipelineConfig, tokenizer, tok_path: str) -> int:
+    """The vocabulary size every stage sizes token ids by: the target model's config counts even
+    when ``tokenize.tokenizer`` names a separate tokenizer folder."""
+    from eagle3.models import resolve_model
+
+    folders = [tok_path] if not config.tokenize.tokenizer else [tok_path, resolve_model(config.server.model)]
+    return vocab_size(tokenizer, *folders)
 
 
 def _paths(run_dir: Path, shard: str) -> dict[str, Path]:
@@ -320,7 +341,7 @@ def tokenize_shard(config: PipelineConfig, shard: str, tokenizer, tok_path: str,
     table = pq.read_table(p["prompts"], columns=["id", "messages"])
     messages = dict(zip(table.column("id").to_pylist(), table.column("messages").to_pylist()))
     records = read_records(p["generations"], log)
-    vocab, seen, chunk, chars, unfinished = vocab_size(tokenizer, tok_path), set(), [], 0, deque()
+    vocab, seen, chunk, chars, unfinished = target_vocab_size(config, tokenizer, tok_path), set(), [], 0, deque()
     acc = _Acc(out=_Output(p["parquet"], vocab))
     every = max(1, len(records) // TEMPLATE_CHECKS)
     try:

@@ -4,6 +4,11 @@ The drafter copies the target's embeddings (frozen) and the draft-vocabulary row
 ``lm_head``; the loss needs the target's next-token distribution, which is its final norm and
 ``lm_head`` applied to the stored last-layer state (taken before the final norm, so the norm is
 applied here). Only these tensors are read (``safe_open`` per file), never the whole model.
+
+A tied target (SmolLM2, Gemma: ``tie_word_embeddings``) stores no ``lm_head.weight``; its head is
+the embedding. Whether a model ties is its config's key, and where the config leaves the key out,
+the architecture's default as transformers applies it when loading the model (Llama and Qwen3:
+untied; Gemma: tied) -- the same answer the served model gives.
 """
 
 from __future__ import annotations
@@ -59,7 +64,31 @@ def _find(folder: Path, names: list[str]) -> dict[str, torch.Tensor]:
     return found
 
 
+def ties_embeddings(folder: Path, config: dict) -> bool:
+    """Whether the model in ``folder`` uses its embedding as its lm_head."""
+    text = config.get("text_config") or config
+    for declared in (text.get("tie_word_embeddings"), config.get("tie_word_embeddings")):
+        if declared is not None:
+            return bool(declared)
+    return architecture_ties(folder)
+
+
+def architecture_ties(folder: Path) -> bool:
+    """transformers' default for this config's architecture; False when transformers cannot read it
+    (a model it cannot load has no default we could trust)."""
+    from transformers import AutoConfig
+
+    try:
+        loaded = AutoConfig.from_pretrained(str(folder))
+    except (ValueError, KeyError, OSError):
+        return False
+    text = loaded.get_text_config()
+    return bool(getattr(text, "tie_word_embeddings", getattr(loaded, "tie_word_embeddings", False)))
+
+
 def load_target_head(model_path: str) -> TargetHead:
+    """The target's embedding, final norm weight and lm_head, from a local model folder (resolve a
+    hub id or ``tiny:`` spec with ``eagle3.models.resolve_model`` first)."""
     folder = Path(model_path)
     if not (folder / "config.json").exists():
         raise TargetWeightsError(f"{folder}: no config.json (training reads the target's embeddings and head from a local folder)")
@@ -75,9 +104,11 @@ def load_target_head(model_path: str) -> TargetHead:
     embed = first(*(p + "embed_tokens.weight" for p in prefixes))
     norm = first(*(p + "norm.weight" for p in prefixes))
     head = first("lm_head.weight", "language_model.lm_head.weight")
-    if head is None and text.get("tie_word_embeddings", config.get("tie_word_embeddings")):
+    if head is None and embed is not None and ties_embeddings(folder, config):
         head = embed
     missing = [n for n, t in (("embed_tokens.weight", embed), ("norm.weight", norm), ("lm_head.weight", head)) if t is None]
     if missing:
-        raise TargetWeightsError(f"{folder}: the target's weights have no {', '.join(missing)} (looked under {', '.join(prefixes)})")
+        untied = " (and config.json does not tie it to the embedding: tie_word_embeddings is false or, left out, false for this architecture)" \
+            if head is None and embed is not None else ""
+        raise TargetWeightsError(f"{folder}: the target's weights have no {', '.join(missing)} (looked under {', '.join(prefixes)}){untied}")
     return TargetHead(embed, norm, head, float(text.get("rms_norm_eps", 1e-6)), config)
