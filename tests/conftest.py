@@ -16,6 +16,11 @@ ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 
 
+def pytest_configure(config):
+    # Registered here, not in pyproject.toml: that file keys the .venv rebuild.
+    config.addinivalue_line("markers", "speculators: needs the optional .venv-speculators (`make test-speculators`); skipped without it")
+
+
 @pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory):
     """One temporary Prefect server (SQLite in a temp dir) shared by every flow test."""
