@@ -11,7 +11,7 @@ export DO_NOT_TRACK ?= 1
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 90
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: demo demo-real real-target test venv venv-vllm clean-venvs ui ui-stop
+.PHONY: demo demo-real real-target test test-speculators venv venv-vllm venv-speculators clean-venvs ui ui-stop
 
 venv:
 	@scripts/ensure_venv.sh pipeline
@@ -39,6 +39,14 @@ test: venv venv-vllm
 	@scripts/ensure_chromium.sh
 	@$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
+## make test-speculators: our speculators export loaded by vllm-project/speculators itself. Optional,
+## not part of `make test`: it builds its own .venv-speculators (CPU torch, ~2 GB, a few minutes once).
+venv-speculators:
+	@scripts/ensure_speculators_venv.sh
+
+test-speculators: venv venv-speculators
+	@$(VENV)/bin/python -m pytest tests/integration/test_speculators_lib.py $(PYTEST_ARGS)
+
 ## make ui: a Prefect server with the UI, the deployments registered and a worker; prints the URL.
 ui: venv venv-vllm
 	@scripts/ui.sh
@@ -47,4 +55,4 @@ ui-stop:
 	@scripts/ui.sh stop
 
 clean-venvs:
-	rm -rf .venv .venv-vllm
+	rm -rf .venv .venv-vllm .venv-speculators

@@ -17,6 +17,11 @@ PYTHON = sys.executable
 DEMO_RECIPE = ROOT / "recipes" / "tiny-demo.toml"  # the demo recipe: tests start from the demo's values
 
 
+def pytest_configure(config):
+    # Registered here, not in pyproject.toml: that file keys the .venv rebuild.
+    config.addinivalue_line("markers", "speculators: needs the optional .venv-speculators (`make test-speculators`); skipped without it")
+
+
 @pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory):
     """One temporary Prefect server (SQLite in a temp dir) shared by every flow test."""

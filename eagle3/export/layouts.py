@@ -15,7 +15,15 @@ Three layouts, one set of weights (bf16 safetensors, ``model.safetensors`` + ``c
 - ``speculators`` -- vllm-project/speculators' layout: ``speculators_model_type: eagle3``, the
   layer config nested in ``transformer_layer_config``, ``speculators_config`` (proposal method,
   verifier), weights ``layers.0.*`` instead of ``midlayer.*``. vLLM turns it into the same model
-  (vllm/transformers_utils/configs/speculators/algos.py ``update_eagle3``).
+  (vllm/transformers_utils/configs/speculators/algos.py ``update_eagle3``). It also holds what
+  speculators' own Eagle-3 converter writes (speculators 0.9.0, convert/eagle/eagle3_converter.py
+  and models/eagle3/config.py): the top-level fields ``speculators_version``, ``transformers_version``,
+  ``norm_before_fc`` / ``fc_norm`` / ``norm_output`` (false: this drafter has none of those norms;
+  vLLM reads them too) and ``embed_requires_grad``, and the target's **whole** embedding table
+  ``embed_tokens.weight`` [target vocab, H]. speculators builds ``embed_tokens`` over the full
+  verifier vocabulary (``DraftVocabMixin._init_vocab``) and fills it from the verifier only when it
+  is still NaN after loading, which transformers 5.x's initialisation defeats: without the tensor a
+  drafter loaded through ``SpeculatorModel.from_pretrained`` has an all-zero embedding.
 - ``sglang`` -- SGLang's ``LlamaForCausalLMEagle3`` (python/sglang/srt/models/llama_eagle3.py):
   the EAGLE layout's weight names, a Llama config with ``num_hidden_layers: 1``, and the aux ids
   read **only** from ``eagle_config.eagle_aux_hidden_state_layer_ids``, in SGLang's numbering:
@@ -26,9 +34,11 @@ Three layouts, one set of weights (bf16 safetensors, ``model.safetensors`` + ``c
   ``norm_before_residual`` drafter or a last-layer aux id (vLLM id L, which SGLang never
   captures) cannot be expressed, and asking for one raises ``UnsupportedLayout``.
 
-The frozen embedding table is never exported: vLLM shares the target's when a drafter has none
-(v1/spec_decode/llm_base_proposer.py), SGLang always installs the target's (``set_embed``), and
-training keeps an exact copy of the target's, so writing it would only add vocab x H bytes.
+The vllm and sglang layouts leave the frozen embedding table out: vLLM shares the target's when a
+drafter has none (v1/spec_decode/llm_base_proposer.py), SGLang always installs the target's
+(``set_embed``), and training keeps an exact copy of the target's, so writing it would only add
+vocab x H bytes. The speculators layout writes it (see above), read from the target's own files
+(training checkpoints do not hold it); vLLM finds it equal to the target's and shares that one.
 
 Each layout folder is written to a temporary folder next to it and renamed into place.
 """
@@ -63,7 +73,14 @@ LAYER_KEYS = (
 EAGLE_KEYS = ("architectures", "draft_vocab_size", "target_hidden_size", "norm_before_residual",
               "eagle_aux_hidden_state_layer_ids", "eagle_config", "torch_dtype")
 SPECULATORS_KEYS = ("architectures", "speculators_model_type", "transformer_layer_config", "speculators_config",
-                    "draft_vocab_size", "target_hidden_size", "norm_before_residual", "eagle_aux_hidden_state_layer_ids")
+                    "draft_vocab_size", "target_hidden_size", "norm_before_residual", "eagle_aux_hidden_state_layer_ids",
+                    "speculators_version", "transformers_version", "norm_before_fc", "fc_norm", "norm_output",
+                    "embed_requires_grad")
+# The speculators release whose Eagle3SpeculatorConfig this layout follows (its config records the
+# library version that wrote it; ours records the format it matches).
+SPECULATORS_FORMAT_VERSION = "0.9.0"
+# Norm variants speculators (and vLLM) can add to an Eagle-3 drafter; this drafter has none of them.
+SPECULATORS_ABSENT_NORMS = ("norm_before_fc", "fc_norm", "norm_output")
 
 
 class ExportError(ValueError):
@@ -141,7 +158,8 @@ def layer_prefix(layout: str) -> str:
 
 
 def expected_tensors(s: Shapes, layout: str) -> dict[str, tuple[tuple[int, ...], str]]:
-    """name -> (shape, kind) with kind "float" | "int64" | "bool"; embed_tokens is optional and not listed."""
+    """name -> (shape, kind) with kind "float" | "int64" | "bool". embed_tokens is required in the
+    speculators layout and optional (not listed) in the others."""
     p = layer_prefix(layout)
     H, q, kv = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim
     out: dict[str, tuple[tuple[int, ...], str]] = {
@@ -165,6 +183,8 @@ def expected_tensors(s: Shapes, layout: str) -> dict[str, tuple[tuple[int, ...],
         out[f"{p}self_attn.k_norm.weight"] = ((s.head_dim,), "float")
     if s.draft_vocab != s.vocab:
         out["d2t"] = ((s.draft_vocab,), "int64")
+    if layout == "speculators":
+        out[EMBED] = ((s.vocab, H), "float")
     return out
 
 
@@ -248,6 +268,10 @@ def build_config(layout: str, c, target_path: str, target_config: dict, num_spec
             "target_hidden_size": c.target_hidden_size,
             "norm_before_residual": bool(c.norm_before_residual),
             "eagle_aux_hidden_state_layer_ids": ids,
+            **{name: False for name in SPECULATORS_ABSENT_NORMS},
+            "embed_requires_grad": False,  # the embedding is the target's, frozen (as training keeps it)
+            "speculators_version": SPECULATORS_FORMAT_VERSION,
+            "transformers_version": _transformers_version(),
             "speculators_config": {
                 "algorithm": "eagle3",
                 "default_proposal_method": "greedy",
@@ -262,15 +286,31 @@ def build_config(layout: str, c, target_path: str, target_config: dict, num_spec
     raise ExportError(f"unknown layout {layout!r} (known: {', '.join(LAYOUTS)})")
 
 
-def export_state(layout: str, c, state: dict) -> dict:
-    """The tensors ``layout`` stores: bf16 floats, int64 d2t (only for a smaller draft vocab), bool t2d."""
+def _transformers_version() -> str:
+    from importlib import metadata
+
+    return metadata.version("transformers")
+
+
+def target_embedding(target_path: str | Path):
+    """The target's input embedding table [V, H], read from its own files (checkpoints lack it)."""
+    from eagle3.train.target import load_target_head
+
+    return load_target_head(str(target_path)).embed
+
+
+def export_state(layout: str, c, state: dict, embed=None) -> dict:
+    """The tensors ``layout`` stores: bf16 floats, int64 d2t (only for a smaller draft vocab), bool t2d,
+    and for the speculators layout ``embed`` (the target's embedding table) as embed_tokens."""
     import torch
 
     prefix = layer_prefix(layout)
     want = expected_tensors(Shapes.of(c), layout)
     out, problems = {}, []
+    if EMBED in want and embed is not None:
+        state = {**state, EMBED: embed}
     for name, tensor in state.items():
-        if name == EMBED or (name == "d2t" and "d2t" not in want):
+        if (name == EMBED and EMBED not in want) or (name == "d2t" and "d2t" not in want):
             continue
         key = prefix + name[len("midlayer."):] if name.startswith("midlayer.") else name
         if key not in want:
@@ -352,13 +392,16 @@ def export_checkpoint(ckpt_dir: str | Path, target_path: str | Path, out_root: s
         "source_sha256": source_fingerprint(ckpt_dir), "target": str(target_path),
         "aux_layer_ids_vllm_numbering": list(c.aux_layer_ids), "draft_vocab_size": c.draft_vocab_size,
         "num_speculative_tokens": int(num_speculative_tokens),
-        "embed_tokens": "not stored: the serving engine shares the target's",
         "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+    embed = target_embedding(target_path) if "speculators" in formats else None
     written = {}
     for layout in formats:
         config = build_config(layout, c, str(target_path), target_config, num_speculative_tokens)
-        written[layout] = write_layout(out_root / layout, config, export_state(layout, c, state), {**info, "layout": layout})
+        held = ("the target's embedding table, copied (speculators' loader does not fill it)" if layout == "speculators"
+                else "not stored: the serving engine shares the target's")
+        written[layout] = write_layout(out_root / layout, config, export_state(layout, c, state, embed),
+                                       {**info, "layout": layout, "embed_tokens": held})
     return written
 
 
@@ -382,6 +425,7 @@ def _layer_view(layout: str, cfg: dict) -> tuple[dict, list[str]]:
             problems.append("speculators_config.proposal_methods[0].speculative_tokens missing")
         if not (spec.get("verifier") or {}).get("name_or_path"):
             problems.append("speculators_config.verifier.name_or_path missing")
+        problems += _speculators_field_problems(cfg)
         layer = cfg.get("transformer_layer_config")
         if not isinstance(layer, dict):
             return {}, problems + ["transformer_layer_config is not an object"]
@@ -389,6 +433,21 @@ def _layer_view(layout: str, cfg: dict) -> tuple[dict, list[str]]:
     keys = EAGLE_KEYS if layout == "vllm" else ("architectures", "draft_vocab_size", "target_hidden_size", "eagle_config")
     problems += [f"config.json lacks {k}" for k in keys if k not in cfg]
     return cfg, problems
+
+
+def _speculators_field_problems(cfg: dict) -> list[str]:
+    """The top-level fields speculators' Eagle3SpeculatorConfig reads, with the values this drafter needs."""
+    problems = []
+    for name in SPECULATORS_ABSENT_NORMS:
+        if name in cfg and cfg[name] is not False:
+            problems.append(f"{name}={cfg[name]!r}: this drafter has no such norm (speculators and vLLM would add an "
+                            "untrained one); must be false")
+    if "embed_requires_grad" in cfg and not isinstance(cfg["embed_requires_grad"], bool):
+        problems.append(f"embed_requires_grad must be a bool, got {cfg['embed_requires_grad']!r}")
+    for name in ("speculators_version", "transformers_version"):
+        if name in cfg and not (isinstance(cfg[name], str) and cfg[name]):
+            problems.append(f"{name} must be a version string, got {cfg[name]!r}")
+    return problems
 
 
 def _aux_ids(layout: str, cfg: dict, num_layers: int) -> tuple[list[int] | None, list[str]]:
@@ -497,7 +556,23 @@ def validate_export(folder: str | Path, layout: str, target_path: str | Path) ->
             else:
                 tensors[name] = tensor
     problems += _check_vocab_map(tensors.get("d2t"), tensors.get("t2d"), D, V)
+    if layout == "speculators" and EMBED in tensors:
+        problems += _check_embedding(tensors[EMBED], target_path)
     return problems
+
+
+def _check_embedding(embed, target_path) -> list[str]:
+    """The speculators layout's embed_tokens must be the target's table (bf16), not some other one."""
+    import torch
+
+    try:
+        expected = target_embedding(target_path).to(torch.bfloat16)
+    except (ValueError, OSError) as exc:
+        return [f"cannot read the target's embedding to check {EMBED}: {exc}"]
+    if expected.shape != embed.shape:
+        return [f"{EMBED}: shape {tuple(embed.shape)}, the target's embedding is {tuple(expected.shape)}"]
+    differ = int((embed != expected).any(dim=1).sum())
+    return [f"{EMBED}: {differ} rows differ from the target's embedding"] if differ else []
 
 
 def _check_vocab_map(d2t, t2d, D: int, V: int) -> list[str]:

@@ -232,14 +232,36 @@ def test_too_many_failures_fail_the_flow_loudly(prefect_server, demo_config, tmp
     assert (manifest["status"], manifest["ok"], manifest["failed"]) == ("failed", 1, 19)
 
 
+DEMO_DRAFT_VOCAB = 1024
+
+
+def _check_reduced_vocabulary(run: Path) -> None:
+    """The vocab stage's choice is what the trained and the untrained exports that vLLM served carry."""
+    import torch
+    from safetensors.torch import load_file
+
+    vocab = json.loads((run / "manifest.json").read_text())["stages"]["vocab"]
+    assert (vocab["draft_vocab_size"], vocab["target_vocab_size"], vocab["identity"]) == (DEMO_DRAFT_VOCAB, 4096, False)
+    chosen = load_file(str(run / "vocab" / "draft_vocab.safetensors"))
+    ids = torch.arange(DEMO_DRAFT_VOCAB) + chosen["d2t"]
+    assert torch.equal(chosen["t2d"].nonzero().flatten(), ids)
+    for folder in (run / "export" / "vllm", run / "evaluate" / "untrained" / "vllm"):
+        served = load_file(str(folder / "model.safetensors"))
+        assert torch.equal(served["d2t"], chosen["d2t"]) and torch.equal(served["t2d"], chosen["t2d"]), folder
+        assert served["lm_head.weight"].shape[0] == DEMO_DRAFT_VOCAB
+
+
 @needs_vllm
 @pytest.mark.timeout(1600)
 def test_eagle3_run_end_to_end_from_the_cli(tmp_path):
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}
     env.pop("PREFECT_API_URL", None)
-    # The whole demo (302 prompts), as `make demo` runs it: the drafter must learn enough to beat an untrained one live.
+    # The whole demo (302 prompts), as `make demo` runs it (its recipe), with a draft
+    # vocabulary of 1,024 of the target's 4,096 ids: the drafter must learn enough to beat an untrained one with the
+    # same vocabulary live -- which also checks vLLM maps draft ids through the exported d2t (a wrong map accepts nothing).
+    sets = [f'run_dir="{tmp_path / "run"}"', f'server.python="{VLLM_PYTHON}"', f"vocab.draft_vocab_size={DEMO_DRAFT_VOCAB}"]
     result = subprocess.run(
-        [PYTHON, "-m", "eagle3.cli", "run", "--config", str(DEMO_RECIPE), "--set", f'run_dir="{tmp_path / "run"}"', "--set", f'server.python="{VLLM_PYTHON}"'],
+        [PYTHON, "-m", "eagle3.cli", "run", "--config", str(DEMO_RECIPE), *(arg for item in sets for arg in ("--set", item))],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=1500,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -252,7 +274,9 @@ def test_eagle3_run_end_to_end_from_the_cli(tmp_path):
     assert table["extract"][0] == "ok" and table["extract"][2] == table["tokenize"][2], "every tokenized sample gets its states"
     assert f"hidden states: {tmp_path / 'run' / 'hidden_states'}" in result.stdout
     assert table["train"][0] == "ok" and table["export"][0] == "ok" and table["evaluate"][0] == "ok"
+    _check_reduced_vocabulary(tmp_path / "run")
     live = json.loads((tmp_path / "run" / "evaluate" / "live.json").read_text())
+    assert live["export_info"]["draft_vocab_size"] == DEMO_DRAFT_VOCAB
     trained = live["temperatures"][0]
     untrained = live["untrained"]["temperatures"][0]
     assert trained["temperature"] == untrained["temperature"] == 0.0

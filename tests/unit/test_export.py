@@ -36,6 +36,11 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(str(folder / "model.safetensors"))
 
 
+def _target_tensor(target, name: str) -> torch.Tensor:
+    with safe_open(str(Path(target) / "model.safetensors"), framework="pt") as fh:
+        return fh.get_tensor(name)
+
+
 def _config(folder: Path) -> dict:
     return json.loads((folder / "config.json").read_text())
 
@@ -72,7 +77,10 @@ def test_round_trip(tmp_path, targets, arch, identity):
                 assert torch.equal(got, value.to(torch.bfloat16)), key
             else:
                 assert got.dtype == value.dtype and torch.equal(got, value), key
-        assert "embed_tokens.weight" not in tensors
+        if layout == "speculators":  # the target's whole table: speculators' loader does not fill it
+            assert torch.equal(tensors["embed_tokens.weight"], _target_tensor(target, "model.embed_tokens.weight").to(torch.bfloat16))
+        else:
+            assert "embed_tokens.weight" not in tensors
         assert tensors["fc.weight"].shape == (H, 3 * H)
         assert tensors[f"{prefix}self_attn.q_proj.weight"].shape[1] == 2 * H
         assert tensors["lm_head.weight"].shape == (D, H)
@@ -84,8 +92,7 @@ def test_round_trip(tmp_path, targets, arch, identity):
             assert d2t.dtype == torch.int64 and d2t.shape == (D,)
             assert torch.equal(torch.arange(D) + d2t, torch.tensor(DRAFT_IDS))
             # lm_head rows are the target's rows of the draft ids (as training initialises them)
-            with safe_open(str(Path(target) / "model.safetensors"), framework="pt") as fh:
-                head = fh.get_tensor("lm_head.weight")
+            head = _target_tensor(target, "lm_head.weight")
             assert torch.equal(tensors["lm_head.weight"], head[torch.tensor(DRAFT_IDS)].float().to(torch.bfloat16))
 
         info = json.loads((folder / "export_info.json").read_text())
@@ -127,6 +134,11 @@ def test_config_keys(tmp_path, targets, arch):
     assert (spec["draft_vocab_size"], spec["target_hidden_size"]) == (len(DRAFT_IDS), H)
     method = spec["speculators_config"]["proposal_methods"][0]
     assert method["speculative_tokens"] == 3 and spec["speculators_config"]["verifier"]["name_or_path"] == str(target)
+    # what speculators' own converter writes (top level, as its config's pydantic fields serialise)
+    from importlib import metadata
+
+    assert (spec["norm_before_fc"], spec["fc_norm"], spec["norm_output"], spec["embed_requires_grad"]) == (False, False, False, False)
+    assert spec["speculators_version"] == "0.9.0" and spec["transformers_version"] == metadata.version("transformers")
 
     if arch == "llama":
         sg = _config(out["sglang"])
@@ -178,6 +190,23 @@ def test_validate_catches_wrong_shape(tmp_path, targets, layout):
     assert any("fc.weight" in p and "shape" in p for p in problems), problems
 
 
+def test_validate_checks_the_speculators_embedding(tmp_path, targets):
+    target = targets["qwen3"]
+    _, out = _exported(tmp_path, target, draft_ids=DRAFT_IDS, formats=["speculators"])
+    folder = out["speculators"]
+    assert validate_export(folder, "speculators", target) == []
+
+    def swap_two_rows(t):
+        embed = t["embed_tokens.weight"].clone()
+        embed[[5, 9]] = embed[[9, 5]]
+        t["embed_tokens.weight"] = embed
+
+    _rewrite(folder, swap_two_rows)
+    assert validate_export(folder, "speculators", target) == ["embed_tokens.weight: 2 rows differ from the target's embedding"]
+    _rewrite(folder, lambda t: t.pop("embed_tokens.weight"))
+    assert validate_export(folder, "speculators", target) == ["missing tensor embed_tokens.weight"]
+
+
 def test_validate_catches_out_of_range_d2t(tmp_path, targets):
     _, out = _exported(tmp_path, targets["llama"], draft_ids=DRAFT_IDS, formats=["vllm"])
 
@@ -222,6 +251,11 @@ def test_validate_catches_config_problems(tmp_path, targets):
     assert any("vocab_size=5000" in p for p in validate_export(spec, "speculators", target))
     _edit_config(spec, lambda c: c["speculators_config"].pop("verifier"))
     assert any("verifier" in p for p in validate_export(spec, "speculators", target))
+    _edit_config(spec, lambda c: c.update({"fc_norm": True, "embed_requires_grad": "no"}))
+    problems = validate_export(spec, "speculators", target)
+    assert any(p.startswith("fc_norm=True") for p in problems) and any("embed_requires_grad" in p for p in problems)
+    _edit_config(spec, lambda c: c.pop("speculators_version"))
+    assert "config.json lacks speculators_version" in validate_export(spec, "speculators", target)
     assert validate_export(tmp_path / "nothing", "vllm", target) == [f"{tmp_path / 'nothing' / 'config.json'} missing"]
 
 

@@ -126,7 +126,9 @@ def test_loss_equals_a_direct_computation():
 
 # --- training runs on a small run directory ----------------------------------------------------
 
-def make_train_run(tmp_path: Path, *sets: str):
+def make_train_run(tmp_path: Path, *sets: str, identity_vocab: bool = True):
+    """A run dir with extracted states; the identity draft vocabulary unless ``identity_vocab=False``
+    (then the caller runs the vocab stage on the token counts written here)."""
     from hidden_runs import make_run
     from safetensors.numpy import save_file
 
@@ -137,9 +139,17 @@ def make_train_run(tmp_path: Path, *sets: str):
                              "train.epochs=2", "train.learning_rate=3e-3", "train.save_every_steps=2", *sets)
     the_plan = plan(config, names)
     record(config, [extract_shard(config, s, the_plan) for s in names], the_plan)
-    vocab = Path(config.run_dir) / "vocab"
-    vocab.mkdir()
-    save_file({"d2t": np.zeros(4096, dtype=np.int64), "t2d": np.ones(4096, dtype=bool)}, str(vocab / "draft_vocab.safetensors"))
+    run = Path(config.run_dir)
+    if not identity_vocab:
+        import pyarrow.parquet as pq
+
+        for name in names:  # supervised-token counts per shard, as the tokenize stage writes them
+            table = pq.read_table(run / "tokenized" / name).to_pydict()
+            ids = np.concatenate([np.asarray(x)[np.asarray(m, dtype=bool)] for x, m in zip(table["input_ids"], table["loss_mask"])])
+            save_file({"counts": np.bincount(ids, minlength=4096).astype(np.int64)}, str(run / "tokenized" / f"{Path(name).stem}.counts.safetensors"))
+        return config, names
+    (run / "vocab").mkdir()
+    save_file({"d2t": np.zeros(4096, dtype=np.int64), "t2d": np.ones(4096, dtype=bool)}, str(run / "vocab" / "draft_vocab.safetensors"))
     return config, names
 
 
@@ -283,3 +293,56 @@ def test_online_extraction_trains_like_stored_states(tmp_path):
     assert len(losses["online"]) == len(losses["offline"]) >= 3
     for a, b in zip(losses["offline"], losses["online"]):
         assert abs(a - b) < 1e-3 * max(1.0, a), (losses["offline"], losses["online"])
+
+
+def test_a_reduced_draft_vocabulary_from_the_counts_to_the_export(tmp_path):
+    """1,024 of the tiny target's 4,096 ids: the vocab stage's choice is what training uses and what
+    both exports carry -- draft id + d2t[draft id] is the chosen target id, t2d is true exactly
+    there -- and the lm_head rows start as the target's rows of those ids and are then trained."""
+    from safetensors.torch import load_file
+
+    from eagle3.export.layouts import export_checkpoint, validate_export
+    from eagle3.models import resolve_model
+    from eagle3.tokenize.stage import load_tokenizer, tokenizer_path
+    from eagle3.train.target import load_target_head
+    from eagle3.train.trainer import Dist, Trainer
+    from eagle3.vocab import load as load_vocab
+    from eagle3.vocab import must_keep
+    from eagle3.vocab_stage import run_vocab
+
+    D = 1024
+    config, names = make_train_run(tmp_path, f"vocab.draft_vocab_size={D}", "train.epochs=1", identity_vocab=False)
+    run, target = Path(config.run_dir), resolve_model("tiny:qwen3")
+    entry = run_vocab(config, names)
+    assert (entry["draft_vocab_size"], entry["target_vocab_size"], entry["identity"]) == (D, 4096, False)
+
+    d2t, t2d = load_vocab(run / "vocab" / "draft_vocab.safetensors")
+    chosen = np.arange(D) + d2t
+    assert np.flatnonzero(t2d).tolist() == chosen.tolist(), "t2d is true exactly at the chosen ids"
+    counts = sum(load_file(str(run / "tokenized" / f"{Path(n).stem}.counts.safetensors"))["counts"].numpy() for n in names)
+    keep = must_keep(load_tokenizer(tokenizer_path(config)))
+    free = sorted(set(chosen.tolist()) - set(keep))
+    assert set(keep) <= set(chosen.tolist()) and counts[free].min() >= counts[~t2d].max(), "kept ids plus the most frequent"
+
+    trainer = Trainer(config, names, target, [1, 2, 3], Dist(), log=lambda m: None)
+    trainer.save()  # step 0: the drafter as initialised from the target
+    trainer.train()
+    head = load_target_head(target).lm_head
+    ids = torch.from_numpy(chosen)
+    initial = run / "checkpoints" / "step-000000"
+    trained = Path(json.loads((run / "checkpoints" / "latest.json").read_text())["path"])
+    assert trained != initial
+    for ckpt in (initial, trained):
+        for layout, folder in export_checkpoint(ckpt, target, tmp_path / "export" / ckpt.name, ["vllm", "speculators"]).items():
+            assert validate_export(folder, layout, target) == [], (ckpt.name, layout)
+            t = load_file(str(folder / "model.safetensors"))
+            assert torch.equal(torch.arange(D) + t["d2t"], ids), (ckpt.name, layout)
+            assert torch.equal(t["t2d"].nonzero().flatten(), ids), (ckpt.name, layout)
+            rows = t["lm_head.weight"]
+            assert rows.shape == (D, 128)
+            if ckpt == initial:
+                assert torch.equal(rows, head[ids].to(torch.bfloat16)), layout
+            else:  # trained away from the target's rows, each still nearest to its own target id's row
+                assert not torch.equal(rows, head[ids].to(torch.bfloat16)), layout
+                sim = F.normalize(rows.float(), dim=1) @ F.normalize(head.float(), dim=1).T
+                assert torch.equal(sim.argmax(dim=1), ids), layout
