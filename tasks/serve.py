@@ -123,7 +123,7 @@ def _launcher(config: PipelineConfig) -> list[str]:
 
 
 @contextlib.asynccontextmanager
-async def _managed(config: PipelineConfig, logger) -> AsyncIterator[Serving]:
+async def _managed(config: PipelineConfig, logger, folder: str) -> AsyncIterator[Serving]:
     from eagle3.models import resolve_model, template_hash
     from eagle3.serving.managed import ManagedServer
 
@@ -132,7 +132,7 @@ async def _managed(config: PipelineConfig, logger) -> AsyncIterator[Serving]:
     name = server.served_model_name or model_path
     managed = ManagedServer(
         command=_launcher(config), model=model_path, served_model_name=name, host=server.host,
-        extra_args=list(server.args), env=dict(server.env), log_path=Path(config.run_dir) / "generations" / "server.log",
+        extra_args=list(server.args), env=dict(server.env), log_path=Path(config.run_dir) / folder / "server.log",
         startup_timeout_s=server.startup_timeout_s, stop_grace_s=server.stop_grace_s, logger=logger,
     )
     try:
@@ -141,7 +141,7 @@ async def _managed(config: PipelineConfig, logger) -> AsyncIterator[Serving]:
         os.environ[MANAGED_KEY_ENV] = managed.api_key
         # The caller reads Serving.lost: a server gone for good (past server.max_restarts) is
         # reported after the stage's accounting is written, not instead of it.
-        yield Serving(Target((managed.base_url,), MANAGED_KEY_ENV, name, template_hash(model_path)), managed, events=replica_events(config))
+        yield Serving(Target((managed.base_url,), MANAGED_KEY_ENV, name, template_hash(model_path)), managed, events=replica_events(config, folder))
         if managed.restarts:
             logger.warning("the vLLM server was restarted %d time(s) during this flow (server.max_restarts=%d): %s",
                            managed.restarts, server.max_restarts, managed.restart_events)
@@ -151,7 +151,7 @@ async def _managed(config: PipelineConfig, logger) -> AsyncIterator[Serving]:
 
 
 @contextlib.asynccontextmanager
-async def _external(config: PipelineConfig, logger) -> AsyncIterator[Serving]:
+async def _external(config: PipelineConfig, logger, folder: str) -> AsyncIterator[Serving]:
     from eagle3.serving.external import check_replicas
 
     server = config.server
@@ -165,13 +165,16 @@ async def _external(config: PipelineConfig, logger) -> AsyncIterator[Serving]:
     if bad:
         logger.warning("%d of %d replicas are benched from the start and probed until they answer", len(bad), len(server.urls))
     down = tuple((url, bad[url]) for url in server.urls if url in bad)
-    yield Serving(Target(tuple(server.urls), server.api_key_env, server.served_model_name or server.model, "", down), events=replica_events(config))
+    yield Serving(Target(tuple(server.urls), server.api_key_env, server.served_model_name or server.model, "", down), events=replica_events(config, folder))
 
 
-def replica_events(config: PipelineConfig) -> Path:
-    return Path(config.run_dir) / "generations" / "replica-events.jsonl"
+def replica_events(config: PipelineConfig, folder: str = "generations") -> Path:
+    return Path(config.run_dir) / folder / "replica-events.jsonl"
 
 
-def target_server(config: PipelineConfig, logger):
-    """``async with target_server(config, logger) as serving:`` -> serving.target (URLs, key env var, model name)."""
-    return _managed(config, logger) if config.server.mode == "managed" else _external(config, logger)
+def target_server(config: PipelineConfig, logger, folder: str = "generations"):
+    """``async with target_server(config, logger) as serving:`` -> serving.target (URLs, key env var, model name).
+
+    ``folder``: the run-dir subfolder for the server's log and replica events (the stage using it:
+    generations, or prompts when the target writes its own prompts)."""
+    return _managed(config, logger, folder) if config.server.mode == "managed" else _external(config, logger, folder)
