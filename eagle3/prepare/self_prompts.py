@@ -125,7 +125,8 @@ def max_requests(sp: SelfPromptsConfig) -> int:
 
 
 def _filters_hash(sp: SelfPromptsConfig) -> str:
-    return section_hash(sp)
+    """What decides the kept set besides the answers (concurrency does not: selection runs in request order)."""
+    return hashlib.sha256(sp.model_dump_json(exclude={"concurrency"}).encode()).hexdigest()[:16]
 
 
 # -- selection, in request order --------------------------------------------------------------------

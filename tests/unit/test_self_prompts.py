@@ -284,6 +284,18 @@ def test_changed_sampling_settings_start_a_new_request_file(tmp_path):
     assert 0 not in asked, "request 0 was answered already with these settings"
 
 
+def test_marker_holds_across_concurrency_but_not_count(tmp_path):
+    with run_fake_server(FakeConfig(completion_script=SCRIPT)) as srv:
+        cfg = config(tmp_path, "data.self_prompts.count=4")
+        asyncio.run(_collect(cfg, srv.base_url))
+    plan = make_plan(cfg)
+    assert sp_mod.marker_current(cfg, plan) is not None
+    assert sp_mod.marker_current(config(tmp_path, "data.self_prompts.count=4", "data.self_prompts.concurrency=3"), plan) is not None
+    assert sp_mod.marker_current(config(tmp_path, "data.self_prompts.count=5"), plan) is None
+    sp_mod.prompts_file(cfg.run_dir).write_text("{}\n")  # edited by hand: no longer what the marker vouches for
+    assert sp_mod.marker_current(cfg, plan) is None
+
+
 def test_prepare_refuses_self_source_before_the_prompts_are_written(tmp_path):
     from eagle3.prepare.stage import PrepareError, run_prepare
 
