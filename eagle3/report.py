@@ -7,7 +7,7 @@ from pathlib import Path
 from eagle3.manifest import MANIFEST, read_manifest
 
 COLUMNS = ("stage", "status", "in", "ok", "failed", "filtered", "reasons")
-ORDER = ("prepare", "generate", "tokenize", "vocab", "extract", "train", "export", "evaluate")
+ORDER = ("self_prompts", "prepare", "generate", "tokenize", "vocab", "extract", "train", "export", "evaluate")
 
 
 def _reasons(entry: dict) -> str:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 from prefect import get_run_logger, task
-from prefect.artifacts import create_table_artifact
+from prefect.artifacts import acreate_table_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from eagle3.config import PipelineConfig
+from eagle3.generate.client import EndpointPool, deadline_s
+from eagle3.prepare.self_prompts import Plan, collect, make_plan
 from eagle3.prepare.stage import PrepareResult, run_prepare
+from tasks.serve import Target, outage_wait_s, replica_events
 
 
 # The completion marker on disk decides whether work is needed (it checks the
@@ -24,3 +29,31 @@ def prepare_task(config: PipelineConfig) -> PrepareResult:
         description=f"prepare: {result.out_dir} ({'up to date, skipped' if result.skipped else 'built'})",
     )
     return result
+
+
+@task(name="self-prompts-plan", cache_policy=NO_CACHE)
+def self_prompts_plan_task(config: PipelineConfig) -> Plan:
+    """Where a user turn starts and ends in the target's chat template (one prefix per system prompt)."""
+    plan = make_plan(config)
+    for turn in plan.prefixes:
+        get_run_logger().info("self_prompts: prefix %r, turn ends at %r (stop token ids %s)", turn.prefix, turn.stop, list(turn.stop_token_ids))
+    return plan
+
+
+@task(name="self-prompts", cache_policy=NO_CACHE)
+async def self_prompts_task(config: PipelineConfig, target: Target, plan: Plan) -> dict:
+    """Ask the served target for user turns until data.self_prompts.count pass the filters."""
+    logger = get_run_logger()
+    sp, gen = config.data.self_prompts, config.generation
+    pool = EndpointPool(list(target.urls), os.environ.get(target.key_env), sp.concurrency, deadline_s(gen.model_copy(update={"max_tokens": sp.max_tokens})),
+                        outage_wait_s=outage_wait_s(config), logger=logger, events=replica_events(config, "prompts"))
+    for url, why in target.down_at_start:
+        pool.bench(url, f"did not answer when the run began ({why})")
+    try:
+        entry = await collect(config, plan, pool, target.model, logger)
+    finally:
+        await pool.close()
+    rows = [{"measure": k, "value": entry[k]} for k in ("in", "ok", "failed", "filtered", "wanted", "requests_judged", "requests_asked")]
+    rows += [{"measure": f"filtered: {kind}", "value": n} for kind, n in entry["reasons"].items()]
+    await acreate_table_artifact(key="self-prompts-accounting", table=rows, description=f"self-written prompts: {entry['ok']} kept of {entry['in']} samples")
+    return entry

@@ -118,7 +118,7 @@ LOST_POLL_S = 1.0
 
 
 @contextlib.asynccontextmanager
-async def _managed(config: PipelineConfig, logger) -> AsyncIterator[Serving]:
+async def _managed(config: PipelineConfig, logger, folder: str) -> AsyncIterator[Serving]:
     from eagle3.models import resolve_model, served_name, template_hash, vllm_args, vllm_launcher
     from eagle3.serving.managed import ManagedServer
 
@@ -129,7 +129,7 @@ async def _managed(config: PipelineConfig, logger) -> AsyncIterator[Serving]:
     name = served_name(server.model, model_path, server.served_model_name)
     managed = ManagedServer(
         command=vllm_launcher(server), model=model_path, served_model_name=name, host=server.host,
-        extra_args=vllm_args(server, model_path), env=dict(server.env), log_path=Path(config.run_dir) / "generations" / "server.log",
+        extra_args=vllm_args(server, model_path), env=dict(server.env), log_path=Path(config.run_dir) / folder / "server.log",
         startup_timeout_s=server.startup_timeout_s, stop_grace_s=server.stop_grace_s, logger=logger,
     )
     try:
@@ -138,7 +138,7 @@ async def _managed(config: PipelineConfig, logger) -> AsyncIterator[Serving]:
         os.environ[MANAGED_KEY_ENV] = managed.api_key
         # The caller reads Serving.lost: a server gone for good (past server.max_restarts) is
         # reported after the stage's accounting is written, not instead of it.
-        yield Serving(Target((managed.base_url,), MANAGED_KEY_ENV, name, template_hash(model_path)), managed, events=replica_events(config))
+        yield Serving(Target((managed.base_url,), MANAGED_KEY_ENV, name, template_hash(model_path)), managed, events=replica_events(config, folder))
         if managed.restarts:
             logger.warning("the vLLM server was restarted %d time(s) during this flow (server.max_restarts=%d): %s",
                            managed.restarts, server.max_restarts, managed.restart_events)
@@ -148,7 +148,7 @@ async def _managed(config: PipelineConfig, logger) -> AsyncIterator[Serving]:
 
 
 @contextlib.asynccontextmanager
-async def _external(config: PipelineConfig, logger) -> AsyncIterator[Serving]:
+async def _external(config: PipelineConfig, logger, folder: str) -> AsyncIterator[Serving]:
     from eagle3.serving.external import check_replicas
 
     server = config.server
@@ -162,13 +162,16 @@ async def _external(config: PipelineConfig, logger) -> AsyncIterator[Serving]:
     if bad:
         logger.warning("%d of %d replicas are benched from the start and probed until they answer", len(bad), len(server.urls))
     down = tuple((url, bad[url]) for url in server.urls if url in bad)
-    yield Serving(Target(tuple(server.urls), server.api_key_env, server.served_model_name or server.model, "", down), events=replica_events(config))
+    yield Serving(Target(tuple(server.urls), server.api_key_env, server.served_model_name or server.model, "", down), events=replica_events(config, folder))
 
 
-def replica_events(config: PipelineConfig) -> Path:
-    return Path(config.run_dir) / "generations" / "replica-events.jsonl"
+def replica_events(config: PipelineConfig, folder: str = "generations") -> Path:
+    return Path(config.run_dir) / folder / "replica-events.jsonl"
 
 
-def target_server(config: PipelineConfig, logger):
-    """``async with target_server(config, logger) as serving:`` -> serving.target (URLs, key env var, model name)."""
-    return _managed(config, logger) if config.server.mode == "managed" else _external(config, logger)
+def target_server(config: PipelineConfig, logger, folder: str = "generations"):
+    """``async with target_server(config, logger) as serving:`` -> serving.target (URLs, key env var, model name).
+
+    ``folder``: the run-dir subfolder for the server's log and replica events (the stage using it:
+    generations, or prompts when the target writes its own prompts)."""
+    return _managed(config, logger, folder) if config.server.mode == "managed" else _external(config, logger, folder)

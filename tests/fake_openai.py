@@ -16,8 +16,11 @@ Design choices:
   behind both: ~100 us of server CPU per request against ~260 us for Starlette + uvicorn(h11), and it
   can do what an ASGI app cannot: drop a connection with a TCP RST, or hold one open unanswered.
   The no-latency path answers inside `data_received` without creating a task.
-- **Not vLLM beyond the wire**: n=1 only, no streaming (400), sampling parameters ignored. Like
-  vLLM 0.32, max_tokens above max_model_len is a 400 and otherwise clamped to the context left.
+- **Not vLLM beyond the wire**: chat is n=1 only, no streaming (400), sampling parameters ignored.
+  `/v1/completions` takes a string prompt with `n`, `stop` and `seed` (the self-written prompts'
+  route): choice k answers `completion_script[(seed + k) % len]` or a stream slice, cut at a stop string
+  or at max_tokens ("length"). Like vLLM 0.32, chat's max_tokens above max_model_len is a 400 and
+  otherwise clamped to the context left.
 - **Faults never hold a generation slot**, so benchmark ideal times are `busy_slot_seconds / slots`
   whatever the fault mix. Rule faults are tracked per prompt (full digest, not the 40-char stats
   key); several rules matching one prompt fire in order (e.g. a 429 once, then a 500 once).
@@ -116,6 +119,9 @@ class FakeConfig:
     length_sigma: float = 1.0  # lognormal sigma of the completion length (heavy tail)
     seed: int = 0
     reasoning: bool = True  # as if vLLM ran with a reasoning parser (message.reasoning filled)
+    # /v1/completions: choice k of a request with seed s answers completion_script[(s + k) % len] (vLLM seeds
+    # its n samples s + k); None: a slice of the fake token stream, as long as a chat answer would be.
+    completion_script: list[str] | None = None
 
     def __post_init__(self) -> None:
         self.rules = [r if isinstance(r, FaultRule) else FaultRule(**r) for r in self.rules]
@@ -327,6 +333,43 @@ def chat_body(cfg: FakeConfig, request_id: str, prompt_ids: list[int], comp: Com
             "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
 
 
+def completion_choice(cfg: FakeConfig, request: dict, prompt: Prompt, k: int) -> tuple[str, str, str | None, list[int]]:
+    """(text, finish_reason, stop_reason, token_ids) of choice ``k``: the script entry or a stream slice,
+    cut at the first stop string (not included, as vLLM does), else at max_tokens (one token per 4 bytes)."""
+    max_tokens, seed = request.get("max_tokens") or 16, request.get("seed")
+    if cfg.completion_script:
+        base = seed if seed is not None else int.from_bytes(prompt.digest[:4], "little")
+        text = cfg.completion_script[(base + k) % len(cfg.completion_script)]
+    else:
+        sub = make_prompt([{"role": "user", "content": prompt.last_user}, {"role": "choice", "content": f"{seed}:{k}"}], cfg.seed)
+        text = _pool_slice(int(_uniforms(sub.digest)[3] * _POOL_SIZE), natural_length(cfg, sub, max_tokens))[1]
+    stops = request.get("stop") or []
+    stops = [stops] if isinstance(stops, str) else stops
+    hits = sorted((text.find(s), s) for s in stops if s and s in text)
+    if hits:
+        text, finish, stop_reason = text[:hits[0][0]], "stop", hits[0][1]
+    elif len(encode_text(text)) > max_tokens:
+        text, finish, stop_reason = text.encode()[:4 * max_tokens].decode(errors="ignore"), "length", None
+    else:
+        finish, stop_reason = "stop", None
+    return text, finish, stop_reason, encode_text(text)
+
+
+def completion_body(cfg: FakeConfig, prompt: Prompt, choices: list[tuple], return_ids: bool) -> dict:
+    """`CompletionResponse.model_dump()` of vLLM 0.32 (completion/protocol.py)."""
+    prompt_ids = encode_text(prompt.last_user)
+    out = [{"index": k, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": stop,
+            "token_ids": ids if return_ids else None, "prompt_logprobs": None,
+            "prompt_token_ids": prompt_ids if return_ids and k == 0 else None, "routed_experts": None}
+           for k, (text, finish, stop, ids) in enumerate(choices)]
+    n_out = sum(len(c[3]) for c in choices)
+    usage = {"prompt_tokens": len(prompt_ids), "total_tokens": len(prompt_ids) + n_out, "completion_tokens": n_out,
+             "prompt_tokens_details": None}
+    return {"id": f"cmpl-{os.urandom(8).hex()}", "object": "text_completion", "created": int(time.time()),
+            "model": cfg.model, "choices": out, "service_tier": None, "system_fingerprint": None, "usage": usage,
+            "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
+
+
 _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 422: "UnprocessableEntityError",
                 500: "InternalServerError", 501: "NotImplementedError", 503: "ServiceUnavailableError"}
 
@@ -385,6 +428,7 @@ class Stats:
     rejected: Counter = field(default_factory=Counter)
     attempts: Counter = field(default_factory=Counter)
     finish_reasons: Counter = field(default_factory=Counter)
+    completion_seeds: Counter = field(default_factory=Counter)  # /v1/completions: {seed: attempts}
     in_flight: int = 0
     max_in_flight: int = 0
     generating: int = 0
@@ -449,6 +493,8 @@ class FakeApp:
         path, _, query = target.partition("?")
         if path == "/v1/chat/completions" and method == "POST":
             return self.chat(headers, body)
+        if path == "/v1/completions" and method == "POST":
+            return self.completions(headers, body)
         if path == "/health" and method == "GET":
             return Reply(200, content_type="")
         if path.startswith("/v1") and self._auth and headers.get("authorization") != self._auth:
@@ -460,7 +506,7 @@ class FakeApp:
         if path == "/stats/reset" and method == "POST":
             self.reset()
             return _json_reply(200, {"ok": True})
-        if path in ("/v1/chat/completions", "/health", "/v1/models", "/stats", "/stats/reset"):
+        if path in ("/v1/chat/completions", "/v1/completions", "/health", "/v1/models", "/stats", "/stats/reset"):
             return _json_reply(405, {"detail": "Method Not Allowed"})
         return _json_reply(404, {"detail": "Not Found"})
 
@@ -526,6 +572,68 @@ class FakeApp:
             self.stats.max_generating = max(self.stats.max_generating, self.stats.generating + 1)
             return self._answer(*answer)
         return self._answer_later(answer, fault.delay_s if fault else 0.0)
+
+    # -- text completions (what self-written prompts use): n choices, stop strings, seeds
+
+    def _parse_completion(self, headers: dict[str, str], body: bytes) -> Reply | dict:
+        if self._auth and headers.get("authorization") != self._auth:
+            self.stats.rejected["unauthorized"] += 1
+            return _json_reply(401, {"error": "Unauthorized"})
+        try:
+            request = json.loads(body)
+        except ValueError as exc:
+            return self._bad_request(f"JSON decode error: {exc}", "invalid_json")
+        if not isinstance(request, dict) or not isinstance(request.get("prompt"), str):
+            return self._bad_request("1 validation error: prompt: a string is required by the fake server", "invalid_request")
+        if request.get("model") not in (None, self.cfg.model):
+            self.stats.rejected["unknown_model"] += 1
+            return _json_reply(404, error_body(404, f"The model `{request['model']}` does not exist. Valid aliases: {self.cfg.model}.", "model"))
+        if request.get("stream"):
+            return self._bad_request("stream=true is not supported by the fake server", "stream")
+        n, max_tokens = request.get("n") or 1, request.get("max_tokens") or 16  # vLLM's CompletionRequest default
+        if not isinstance(n, int) or n < 1 or not isinstance(max_tokens, int) or max_tokens < 1:
+            return self._bad_request(f"n and max_tokens must be positive integers, got {n!r} and {max_tokens!r}", "invalid_request")
+        return request
+
+    def completions(self, headers: dict[str, str], body: bytes) -> Reply | str | Awaitable:
+        self.stats.requests_total += 1
+        request = self._parse_completion(headers, body)
+        if isinstance(request, Reply):
+            return request
+        seed = request.get("seed")
+        # Fault state per request (prompt + seed): self-written prompts send one prefix with many seeds.
+        tag = f"{seed}" if seed is not None else f"unseeded-{self.stats.requests_total}"
+        digest = hashlib.blake2b(f"{self.cfg.seed}:{tag}:{request['prompt']}".encode(), digest_size=32).digest()
+        prompt = Prompt(digest, (("user", request["prompt"]),), request["prompt"])
+        self._attempts[digest] = self._attempts.get(digest, 0) + 1
+        self.stats.attempts[prompt.key] += 1
+        self.stats.completion_seeds[str(seed)] += 1
+        fault = self._rule_fault(prompt) or self._random_fault(prompt, self._attempts[digest])
+        if fault is not None:
+            self.stats.faults[fault.name] += 1
+            if fault.kind != "slow":
+                return self._fault_reply(fault)
+        choices = [completion_choice(self.cfg, request, prompt, k) for k in range(request.get("n") or 1)]
+        reply = _json_reply(200, completion_body(self.cfg, prompt, choices, bool(request.get("return_token_ids"))))
+        self.stats.completed += 1
+        for c in choices:
+            self.stats.finish_reasons[c[1]] += 1
+            self.stats.completion_tokens += len(c[3])
+        work = max(work_seconds(self.cfg, len(c[3])) for c in choices)  # n samples decode side by side
+        if fault is None and not work and self._slots is None:
+            return reply
+        return self._later(reply, work, fault.delay_s if fault else 0.0)
+
+    async def _later(self, reply: Reply, work: float, delay_s: float) -> Reply:
+        self._enter()
+        try:
+            if delay_s:
+                await asyncio.sleep(delay_s)
+            async with self._slots or contextlib.nullcontext():
+                await self._generate(work)
+            return reply
+        finally:
+            self.stats.in_flight -= 1
 
     def _rule_fault(self, prompt: Prompt) -> Fault | None:
         for index, rule in enumerate(self.cfg.rules):

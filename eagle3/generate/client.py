@@ -348,8 +348,41 @@ async def _attempt(endpoint: Lease, body: dict, deadline: float) -> dict:
             raise Failure("bad_response", f"body is not JSON ({exc})", True) from None
 
 
-async def request_with_retries(pool: EndpointPool, body: dict, gen: GenerationConfig, stats: Stats, rng: random.Random) -> tuple[dict | None, Failure | None, int, float]:
+def parse_completion(data: Any) -> dict:
+    """The fields we keep from a vLLM text completion with n choices (``/v1/completions``)."""
+    try:
+        choices = sorted(data["choices"], key=lambda c: c["index"])
+        return {
+            "choices": [{"text": c["text"], "finish_reason": c["finish_reason"], "stop_reason": c.get("stop_reason")} for c in choices],
+            "usage": data.get("usage"),
+            "model": data.get("model"),
+        }
+    except (KeyError, TypeError) as exc:
+        raise Failure("bad_response", f"response lacks {exc!r}: {str(data)[:200]}", True) from None
+
+
+async def _completion_attempt(endpoint: Lease, body: dict, deadline: float) -> dict:
+    extra = {k: v for k, v in body.items() if k not in ("model", "prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed")}
+    async with asyncio.timeout(deadline):
+        raw = await endpoint.client.completions.with_raw_response.create(
+            model=body["model"], prompt=body["prompt"], max_tokens=body["max_tokens"], temperature=body["temperature"],
+            top_p=body["top_p"], n=body["n"], stop=body.get("stop"), seed=body.get("seed"), extra_body=extra, timeout=deadline,
+        )
+        try:
+            return json.loads(raw.http_response.content)
+        except json.JSONDecodeError as exc:
+            raise Failure("bad_response", f"body is not JSON ({exc})", True) from None
+
+
+# What one request is: the chat route (generate) or the text-completion route (self-written prompts).
+# Both share the retry, backoff, deadline and replica policy below.
+ROUTES = {"chat": (_attempt, parse_response), "completions": (_completion_attempt, parse_completion)}
+
+
+async def request_with_retries(pool: EndpointPool, body: dict, gen: GenerationConfig, stats: Stats, rng: random.Random,
+                               route: str = "chat") -> tuple[dict | None, Failure | None, int, float]:
     """Run one prompt to a parsed result or a final failure: (result, failure, attempts, latency_s)."""
+    send, parse = ROUTES[route]
     deadline = deadline_s(gen)
     started = time.monotonic()
     last = None
@@ -357,7 +390,7 @@ async def request_with_retries(pool: EndpointPool, body: dict, gen: GenerationCo
         await pool.wait_available()
         endpoint = pool.acquire(avoid=last)
         try:
-            result = parse_response(await _attempt(endpoint, body, deadline))
+            result = parse(await send(endpoint, body, deadline))
             pool.release(endpoint)
             return result, None, attempt, time.monotonic() - started
         except (Exception, TimeoutError) as exc:  # every attempt's failure is classified, none escapes

@@ -201,13 +201,29 @@ def _rejection_error(data: DataConfig, tally: _Tally, out: Path) -> str | None:
     return None
 
 
+def _source(config: PipelineConfig) -> Source:
+    """The configured source; for self:prompts, the prompts the target wrote (the prepare flow writes them first)."""
+    from eagle3.prepare import self_prompts
+
+    data = config.data
+    if not self_prompts.is_self_source(data.source):
+        return Source(data.source, data.split)
+    marker = self_prompts.out_dir(config.run_dir) / self_prompts.MARKER
+    if not marker.exists():
+        raise PrepareError(
+            f"prepare: data.source={data.source!r} needs the prompts the target writes, and {marker} does not exist; "
+            "run the prepare flow (eagle3 prepare / eagle3 run), which serves the target and writes them first"
+        )
+    return Source(str(self_prompts.prompts_file(config.run_dir)), data.split)
+
+
 def run_prepare(config: PipelineConfig, logger: logging.Logger | None = None) -> PrepareResult:
     """Run the stage into ``RUN/prompts``; skip when the completion marker is current."""
     log = logger or logging.getLogger(__name__)
     data = config.data
     out = Path(config.run_dir) / "prompts"
     out.mkdir(parents=True, exist_ok=True)
-    source = Source(data.source, data.split)
+    source = _source(config)
     fingerprint = _fingerprint(data, source)
     done = _up_to_date(out, fingerprint)
     if done is not None:

