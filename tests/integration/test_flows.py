@@ -45,7 +45,8 @@ def test_pipeline_flow_generates_with_real_vllm(prefect_server, demo_config, mon
     monkeypatch.setattr(managed.secrets, "token_urlsafe", lambda n=32: secret)
 
     config = demo_config("data.limit=24", "data.num_shards=2", f'server.python="{VLLM_PYTHON}"', "evaluate.compare_untrained=false",
-                         "evaluate.num_prompts=4", "evaluate.max_tokens=32", "train.epochs=2")
+                         "evaluate.num_prompts=4", "evaluate.max_tokens=32", "train.epochs=2", 'evaluate.methods=["trained"]',
+                         'evaluate.prompt_sets=["heldout"]', "evaluate.concurrencies=[1]", "evaluate.rounds=1")
     state = asyncio.run(pipeline_flow(config, return_state=True))
     assert state.is_completed(), state
     assert not vllm_processes(), "the managed server must be gone after the flow"
@@ -81,8 +82,8 @@ def test_pipeline_flow_generates_with_real_vllm(prefect_server, demo_config, mon
     assert manifest["train"]["ok"] == manifest["train"]["total_steps"] > 0 and (run / "checkpoints" / "best.json").exists()
     assert (run / "export" / "vllm" / "config.json").exists() and (run / "export" / "speculators" / "config.json").exists()
     live = json.loads((run / "evaluate" / "live.json").read_text())
-    assert [r["temperature"] for r in live["temperatures"]] == [0.0, config.generation.temperature]
-    assert all(r["requests_ok"] == 4 and r["drafts"] > 0 for r in live["temperatures"]), "vLLM served the exported drafter and drafted"
+    assert [(c["method"], c["temperature"]) for c in live["cells"]] == [("trained", 0.0), ("trained", config.generation.temperature)]
+    assert all(c["requests_ok"] == 4 and c["counters"]["drafts"] > 0 for c in live["cells"]), "vLLM served the exported drafter and drafted"
     log = (run / "generations" / "server.log").read_text()
     assert "Application startup complete" in log or "Uvicorn running" in log or "Started server process" in log
 
@@ -95,6 +96,8 @@ def test_pipeline_flow_generates_with_real_vllm(prefect_server, demo_config, mon
         assert names == ["generate-shard-00000", "generate-shard-00001", "generate-summary"]
         assert client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["generate-errors"])))
         assert client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["prepare-accounting"])))
+        table = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["evaluate-live"])))
+        assert table and "decode tok/s" in json.dumps(table[0].data)
         report = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["pipeline-report"])))
         assert report and "## Accounting" in report[0].data and "data:image/png;base64," in report[0].data
 
@@ -232,6 +235,12 @@ def test_too_many_failures_fail_the_flow_loudly(prefect_server, demo_config, tmp
     assert (manifest["status"], manifest["ok"], manifest["failed"]) == ("failed", 1, 19)
 
 
+# The live comparison's full matrix (4 methods, 2 prompt sets, 2 concurrencies, 3 rounds) is for real runs;
+# here the trained drafter against the untrained one, once, as before.
+CLI_EVALUATE = ['evaluate.methods=["untrained", "trained"]', 'evaluate.prompt_sets=["heldout"]', "evaluate.concurrencies=[1]",
+                "evaluate.rounds=1"]
+
+
 @needs_vllm
 @pytest.mark.timeout(1600)
 def test_eagle3_run_end_to_end_from_the_cli(tmp_path):
@@ -239,7 +248,8 @@ def test_eagle3_run_end_to_end_from_the_cli(tmp_path):
     env.pop("PREFECT_API_URL", None)
     # The whole demo (302 prompts), as `make demo` runs it: the drafter must learn enough to beat an untrained one live.
     result = subprocess.run(
-        [PYTHON, "-m", "eagle3.cli", "run", "--set", f'run_dir="{tmp_path / "run"}"', "--set", f'server.python="{VLLM_PYTHON}"'],
+        [PYTHON, "-m", "eagle3.cli", "run", "--set", f'run_dir="{tmp_path / "run"}"', "--set", f'server.python="{VLLM_PYTHON}"',
+         *(arg for kv in CLI_EVALUATE for arg in ("--set", kv))],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=1500,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -253,12 +263,12 @@ def test_eagle3_run_end_to_end_from_the_cli(tmp_path):
     assert f"hidden states: {tmp_path / 'run' / 'hidden_states'}" in result.stdout
     assert table["train"][0] == "ok" and table["export"][0] == "ok" and table["evaluate"][0] == "ok"
     live = json.loads((tmp_path / "run" / "evaluate" / "live.json").read_text())
-    trained = live["temperatures"][0]
-    untrained = live["untrained"]["temperatures"][0]
-    assert trained["temperature"] == untrained["temperature"] == 0.0
+    at_zero = {c["method"]: c for c in live["cells"] if c["temperature"] == 0.0}
+    trained, untrained = at_zero["trained"], at_zero["untrained"]
     print(f"live acceptance length at T=0: trained {trained['mean_acceptance_length']}, untrained {untrained['mean_acceptance_length']}")
     assert trained["mean_acceptance_length"] >= untrained["mean_acceptance_length"] + 0.1, (trained, untrained)
-    assert trained["accepted_tokens"] > 2 * max(untrained["accepted_tokens"], 1)
+    assert trained["counters"]["accepted_tokens"] > 2 * max(untrained["counters"]["accepted_tokens"], 1)
+    assert "live (heldout prompts, T=0, concurrency 1): decode untrained" in result.stdout
     report = (tmp_path / "run" / "report.md").read_text()
     assert f"report:       {tmp_path / 'run' / 'report.md'}" in result.stdout
     assert "## Acceptance (live, vLLM spec-decode counters)" in report and "![training curves](train/curves.png)" in report
