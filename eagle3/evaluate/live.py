@@ -51,8 +51,12 @@ def _drafters(config: PipelineConfig, methods: list[str], drafter_dir, out: Path
     return found
 
 
-def headline(doc: dict, temperature: float = 0.0) -> dict:
-    """The figures a reader asks for first: held-out prompts (else the first set), lowest concurrency."""
+def headline(doc: dict, temperature: float | None = None) -> dict:
+    """The figures a reader asks for first: held-out prompts (else the first set), lowest concurrency,
+    temperature 0 (else the first measured) unless ``temperature`` is given."""
+    temps = [c["temperature"] for c in doc["cells"]]
+    if temperature is None:
+        temperature = 0.0 if 0.0 in temps else (temps[0] if temps else 0.0)
     cells = [c for c in doc["cells"] if c["temperature"] == temperature]
     if not cells:
         return {}

@@ -64,8 +64,15 @@ def _check_cell(cell: dict, requests: int) -> None:
         assert cell["mean_acceptance_length"] == 1.0 and cell["counters"] is None
         return
     counters = cell["counters"]
-    assert counters["drafts"] > 0, cell  # speculative decoding engaged: the counters moved
-    assert counters["draft_tokens"] == SPEC_TOKENS * counters["drafts"], cell
+    assert counters is not None, cell  # the server exposes spec-decode counters
+    if cell["method"] != "ngram":  # a drafter proposes every step; n-gram only when it finds a match (checked over all cells)
+        assert counters["drafts"] > 0, cell  # speculative decoding engaged: the counters moved
+    if not counters["drafts"]:
+        return
+    if cell["method"] == "ngram":  # a match may have fewer than K tokens after it
+        assert counters["drafts"] <= counters["draft_tokens"] <= SPEC_TOKENS * counters["drafts"], cell
+    else:
+        assert counters["draft_tokens"] == SPEC_TOKENS * counters["drafts"], cell
     assert 0 <= counters["accepted_tokens"] <= counters["draft_tokens"]
     assert cell["mean_acceptance_length"] == pytest.approx(1 + counters["accepted_tokens"] / counters["drafts"])
     assert len(cell["per_position_acceptance"]) == SPEC_TOKENS
@@ -90,7 +97,8 @@ def test_eagle_layout_through_export_and_evaluate_next_to_ngram_and_no_speculati
                                 for n in range(6)))
     config = _config(run, 'export.formats=["vllm"]', "evaluate.temperatures=[0.0, 0.6]", 'evaluate.methods=["none", "ngram", "trained"]',
                      'evaluate.prompt_sets=["heldout", "external"]', f'evaluate.external_prompts="{external}"',
-                     "evaluate.concurrencies=[1]", "evaluate.rounds=1", 'evaluate.servers="restart"')
+                     "evaluate.concurrencies=[1]", "evaluate.rounds=1", 'evaluate.servers="restart"',
+                     "evaluate.ngram_prompt_lookup_min=1")  # the tiny model's word salad rarely repeats 2-grams
 
     assert set(run_export(config)["paths"]) == {"vllm"}
     entry = run_evaluate(config, logger=log)
@@ -103,6 +111,7 @@ def test_eagle_layout_through_export_and_evaluate_next_to_ngram_and_no_speculati
     for cell in cells.values():
         _check_cell(cell, 4)
         assert cell["concurrency"] == 1 and len(cell["rounds"]) == 1 and cell["speedup_vs_none"] > 0
+    assert sum(c["counters"]["drafts"] for (m, _, _), c in cells.items() if m == "ngram") > 0, "n-gram never proposed"
     for (method, prompt_set, temperature), cell in cells.items():  # speculation is lossless: same greedy answers
         if temperature == 0.0:
             assert cell["greedy_identical"] == cell["greedy_compared"] == 4, (method, prompt_set, cell)
