@@ -189,3 +189,15 @@ def test_evaluate_config_knobs_validate():
 
     assert speculative_config("ngram", cfg, {}) == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     assert speculative_config("none", cfg, {}) is None
+
+
+def test_cli_summary_prints_the_headline_line(tmp_path):
+    from eagle3.cli import _summary
+    from eagle3.config import load_config
+    from eagle3.manifest import StageCounts, record_stage
+
+    head = _doc()["headline"]
+    entry = record_stage(tmp_path, "evaluate", StageCounts(12, 12), status="ok", headline=head, mean_acceptance_length={"0": 2.0})
+    text = _summary(load_config(None, [f'run_dir="{tmp_path}"']), {"evaluate": entry})
+    assert "live acceptance length (vLLM): T=0: 2.000" in text
+    assert "live (heldout prompts, T=0, concurrency 1): decode none 5.0 tok/s, ngram 10.0 tok/s, trained 20.0 tok/s;" in text
