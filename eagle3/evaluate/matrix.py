@@ -29,16 +29,13 @@ Design choices:
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import itertools
-import logging
 import time
 from functools import reduce
 from pathlib import Path
 
 from eagle3.evaluate import measure, metrics, servers
-from eagle3.evaluate.prompts import prompt_sets
 
 ACCEPTANCE_SOURCE = {
     "none": "1 by definition: no speculation, one token per target step",
