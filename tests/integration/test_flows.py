@@ -236,9 +236,9 @@ def test_too_many_failures_fail_the_flow_loudly(prefect_server, demo_config, tmp
 
 
 # The live comparison's full matrix (4 methods, 2 prompt sets, 2 concurrencies, 3 rounds) is for real runs;
-# here the trained drafter against the untrained one, once, as before.
+# here the trained drafter against the untrained one, once, at the temperature the test checks.
 CLI_EVALUATE = ['evaluate.methods=["untrained", "trained"]', 'evaluate.prompt_sets=["heldout"]', "evaluate.concurrencies=[1]",
-                "evaluate.rounds=1"]
+                "evaluate.rounds=1", "evaluate.temperatures=[0.0]"]
 
 
 @needs_vllm
