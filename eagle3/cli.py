@@ -138,10 +138,16 @@ def _summary(config, results: dict) -> str:
         e = results["export"]
         lines.append(f"export:       {run / 'export'}  ({', '.join(sorted((e.get('paths') or {}).keys())) or 'see the manifest'})")
     if "evaluate" in results:
+        from eagle3.evaluate.table import summary_line
+
         ev = results["evaluate"]
         live = ", ".join(f"T={t}: {v:.3f}" for t, v in (ev.get("mean_acceptance_length") or {}).items() if v is not None)
         base = ", ".join(f"T={t}: {v:.3f}" for t, v in (ev.get("untrained_mean_acceptance_length") or {}).items() if v is not None)
-        lines.append(f"live acceptance length (vLLM): {live}" + (f"; untrained drafter {base}" if base else "") + f"  ({run / 'evaluate' / 'live.json'})")
+        if live:
+            lines.append(f"live acceptance length (vLLM): {live}" + (f"; untrained drafter {base}" if base else "") + f"  ({run / 'evaluate' / 'live.json'})")
+        line = summary_line(ev.get("headline"))
+        if line:
+            lines.append(line)
     lines.append(f"manifest:     {run / 'manifest.json'}")
     if "report" in results:
         lines.append(f"report:       {results['report']}  (also the pipeline-report artifact in the Prefect UI)")
@@ -202,11 +208,12 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from eagle3.hidden.errors import USER_ERRORS as EXTRACT_ERRORS
     from eagle3.tokenize.stage import TokenizeInputError
     from eagle3.evaluate.live import EvaluationFailed, MissingInput
+    from eagle3.evaluate.metrics import MetricsUnavailable
     from eagle3.export.layouts import ExportError
     from eagle3.importer import ImportModelError
     from eagle3.train.stage import TrainDataError, TrainFailed, TrainInputError
 
-    return (ConfigError, SourceError, PrepareError, AccountingError, FileNotFoundError, GenerationFailed, MissingInputError, ServerError, TokenizeInputError, *EXTRACT_ERRORS, TrainDataError, TrainFailed, TrainInputError, ExportError, MissingInput, EvaluationFailed, DiskWriteError,
+    return (ConfigError, SourceError, PrepareError, AccountingError, FileNotFoundError, GenerationFailed, MissingInputError, ServerError, TokenizeInputError, *EXTRACT_ERRORS, TrainDataError, TrainFailed, TrainInputError, ExportError, MissingInput, EvaluationFailed, MetricsUnavailable, DiskWriteError,
             SchemaError, TokenizerMismatchError, ImportModelError, ModelNotFoundError, ModelDownloadError)
 
 

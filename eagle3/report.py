@@ -44,7 +44,7 @@ OUTPUTS = (
     ("extract", "hidden_states/", "the target's aux and last-layer states (bf16 safetensors per shard)"),
     ("train", "checkpoints/", "drafter checkpoints; best.json = best held-out acceptance; logs in train/"),
     ("export", "export/", "vllm / speculators / sglang layouts"),
-    ("evaluate", "evaluate/live.json", "live acceptance in vLLM; server logs beside it"),
+    ("evaluate", "evaluate/live.json", "live comparison in vLLM (every cell and visit); server logs beside it"),
 )
 
 
@@ -52,6 +52,22 @@ def _fmt(value, digits: int = 3) -> str:
     if value is None:
         return "n/a"
     return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def _live_table(run: Path) -> list[str]:
+    """The live comparison table from RUN/evaluate/live.json, when it holds one."""
+    import json
+
+    from eagle3.evaluate.table import markdown_table
+
+    path = run / "evaluate" / "live.json"
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    if not isinstance(doc, dict) or not doc.get("cells"):
+        return []
+    return ["", "## Live comparison (vLLM): decode speed and acceptance per method", "", markdown_table(doc)]
 
 
 def markdown_report(run_dir: str | Path, embed_png: bool = False) -> str:
@@ -99,6 +115,7 @@ def markdown_report(run_dir: str | Path, embed_png: bool = False) -> str:
         for t, length in (ev.get("mean_acceptance_length") or {}).items():
             lines.append(f"| {t} | {_fmt(length)} | {_fmt((ev.get('acceptance_rate') or {}).get(t))} | {_fmt(untrained.get(t))} |")
         lines += ["", f"Offline estimate from training (held-out, greedy chain): {_fmt(ev.get('offline_acceptance_length'))}"]
+        lines += _live_table(run)
     lines += ["", "## Where everything is", ""]
     for stage, rel, what in OUTPUTS:
         if (run / rel).exists():

@@ -1,4 +1,4 @@
-"""Prefect task for stage ``evaluate``: live acceptance of the exported drafter in vLLM.
+"""Prefect task for stage ``evaluate``: the exported drafter against the alternatives, live in vLLM.
 
 Nothing here imports torch; the stage module (httpx + the managed server) loads inside the task.
 """
@@ -17,42 +17,29 @@ def _fmt(value, digits: int = 3) -> str:
 
 
 def comparison_markdown(doc: dict) -> str:
-    """Live mean acceptance length per temperature next to training's offline estimate."""
+    """The live comparison table, then the trained drafter's live acceptance next to training's offline estimate."""
+    from eagle3.evaluate.table import markdown_table
+
     offline = (doc.get("offline_estimate") or {}).get("acceptance_length")
-    lines = [
-        f"**Live acceptance** of `{doc['drafter']}` on `{doc['target']}` "
-        f"({doc['num_speculative_tokens']} speculative tokens, {doc['max_tokens']} tokens per request)",
-        "",
-        "| temperature | mean acceptance length (live) | acceptance rate | offline estimate (training) |",
-        "|---|---|---|---|",
-    ]
-    for row in doc["temperatures"]:
-        lines.append(f"| {row['temperature']:g} | {_fmt(row['mean_acceptance_length'])} | {_fmt(row['acceptance_rate'])} | {_fmt(offline)} |")
-    untrained = doc.get("untrained")
-    if untrained:
-        row = untrained["temperatures"][0]
-        lines += ["", f"Untrained drafter (same vocabulary and layers) at temperature {row['temperature']:g}: mean acceptance length "
-                      f"{_fmt(row['mean_acceptance_length'])}, acceptance rate {_fmt(row['acceptance_rate'])}."]
+    head = doc.get("headline") or {}
+    lines = [f"**Live comparison** on `{doc['target']}`" + (f", drafter `{doc['drafter']}`" if doc.get("drafter") else ""), "",
+             markdown_table(doc), ""]
+    if head.get("acceptance_length_trained") is not None:
+        lines.append(f"Trained drafter, {head['prompt_set']} prompts, T={head['temperature']:g}, concurrency {head['concurrency']}: "
+                     f"live mean acceptance length {_fmt(head['acceptance_length_trained'])}, offline estimate (training) {_fmt(offline)}.")
     if offline is None:
         lines += ["", "No offline estimate: RUN/train/eval.jsonl is missing or has no acceptance_length."]
-    note = (doc.get("selection") or {}).get("note")
-    if note:
-        lines += ["", f"Note: {note}."]
     return "\n".join(lines)
 
 
 @task(name="evaluate-live", cache_policy=NO_CACHE)
 def evaluate_task(config: PipelineConfig) -> dict:
     from eagle3.evaluate.live import run_evaluate
+    from eagle3.evaluate.table import cell_row
 
     entry = run_evaluate(config, logger=get_run_logger())
     doc = entry["live"]
-    rows = [{
-        "temperature": r["temperature"], "requests ok": r["requests_ok"], "requests failed": r["requests_failed"],
-        "drafts": r["drafts"], "draft tokens": r["draft_tokens"], "accepted tokens": r["accepted_tokens"],
-        "acceptance rate": r["acceptance_rate"], "mean acceptance length": r["mean_acceptance_length"],
-        "per position": ", ".join(_fmt(x) for x in r["per_position_acceptance"]), "tokens/s": r["tokens_per_s"],
-    } for r in doc["temperatures"]]
-    create_table_artifact(key="evaluate-live", table=rows, description="vLLM spec-decode counters per temperature (held-out prompts)")
+    create_table_artifact(key="evaluate-live", table=[cell_row(c) for c in doc["cells"]],
+                          description="Decode tokens/s and acceptance per method, prompt set, temperature and concurrency (vLLM, live)")
     create_markdown_artifact(key="evaluate-live-vs-offline", markdown=comparison_markdown(doc))
     return {k: v for k, v in entry.items() if k != "live"}

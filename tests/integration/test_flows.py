@@ -45,7 +45,8 @@ def test_pipeline_flow_generates_with_real_vllm(prefect_server, demo_config, mon
     monkeypatch.setattr(managed.secrets, "token_urlsafe", lambda n=32: secret)
 
     config = demo_config("data.limit=24", "data.num_shards=2", f'server.python="{VLLM_PYTHON}"', "evaluate.compare_untrained=false",
-                         "evaluate.num_prompts=4", "evaluate.max_tokens=32", "train.epochs=2")
+                         "evaluate.num_prompts=4", "evaluate.max_tokens=32", "train.epochs=2", 'evaluate.methods=["trained"]',
+                         'evaluate.prompt_sets=["heldout"]', "evaluate.concurrencies=[1]", "evaluate.rounds=1")
     state = asyncio.run(pipeline_flow(config, return_state=True))
     assert state.is_completed(), state
     assert not vllm_processes(), "the managed server must be gone after the flow"
@@ -81,8 +82,8 @@ def test_pipeline_flow_generates_with_real_vllm(prefect_server, demo_config, mon
     assert manifest["train"]["ok"] == manifest["train"]["total_steps"] > 0 and (run / "checkpoints" / "best.json").exists()
     assert (run / "export" / "vllm" / "config.json").exists() and (run / "export" / "speculators" / "config.json").exists()
     live = json.loads((run / "evaluate" / "live.json").read_text())
-    assert [r["temperature"] for r in live["temperatures"]] == [0.0, config.generation.temperature]
-    assert all(r["requests_ok"] == 4 and r["drafts"] > 0 for r in live["temperatures"]), "vLLM served the exported drafter and drafted"
+    assert [(c["method"], c["temperature"]) for c in live["cells"]] == [("trained", 0.0), ("trained", config.generation.temperature)]
+    assert all(c["requests_ok"] == 4 and c["counters"]["drafts"] > 0 for c in live["cells"]), "vLLM served the exported drafter and drafted"
     log = (run / "generations" / "server.log").read_text()
     assert "Application startup complete" in log or "Uvicorn running" in log or "Started server process" in log
 
@@ -95,6 +96,8 @@ def test_pipeline_flow_generates_with_real_vllm(prefect_server, demo_config, mon
         assert names == ["generate-shard-00000", "generate-shard-00001", "generate-summary"]
         assert client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["generate-errors"])))
         assert client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["prepare-accounting"])))
+        table = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["evaluate-live"])))
+        assert table and "decode tok/s" in json.dumps(table[0].data)
         report = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["pipeline-report"])))
         assert report and "## Accounting" in report[0].data and "data:image/png;base64," in report[0].data
 
@@ -251,6 +254,12 @@ def _check_reduced_vocabulary(run: Path) -> None:
         assert served["lm_head.weight"].shape[0] == DEMO_DRAFT_VOCAB
 
 
+# The live comparison's full matrix (4 methods, 2 prompt sets, 2 concurrencies, 3 rounds) is for real runs;
+# here the trained drafter against the untrained one, once, at the temperature the test checks.
+CLI_EVALUATE = ['evaluate.methods=["untrained", "trained"]', 'evaluate.prompt_sets=["heldout"]', "evaluate.concurrencies=[1]",
+                "evaluate.rounds=1", "evaluate.temperatures=[0.0]"]
+
+
 @needs_vllm
 @pytest.mark.timeout(1600)
 def test_eagle3_run_end_to_end_from_the_cli(tmp_path):
@@ -261,7 +270,7 @@ def test_eagle3_run_end_to_end_from_the_cli(tmp_path):
     # same vocabulary live -- which also checks vLLM maps draft ids through the exported d2t (a wrong map accepts nothing).
     sets = [f'run_dir="{tmp_path / "run"}"', f'server.python="{VLLM_PYTHON}"', f"vocab.draft_vocab_size={DEMO_DRAFT_VOCAB}"]
     result = subprocess.run(
-        [PYTHON, "-m", "eagle3.cli", "run", "--config", str(DEMO_RECIPE), *(arg for item in sets for arg in ("--set", item))],
+        [PYTHON, "-m", "eagle3.cli", "run", "--config", str(DEMO_RECIPE), *(arg for item in [*sets, *CLI_EVALUATE] for arg in ("--set", item))],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=1500,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -277,12 +286,12 @@ def test_eagle3_run_end_to_end_from_the_cli(tmp_path):
     _check_reduced_vocabulary(tmp_path / "run")
     live = json.loads((tmp_path / "run" / "evaluate" / "live.json").read_text())
     assert live["export_info"]["draft_vocab_size"] == DEMO_DRAFT_VOCAB
-    trained = live["temperatures"][0]
-    untrained = live["untrained"]["temperatures"][0]
-    assert trained["temperature"] == untrained["temperature"] == 0.0
+    at_zero = {c["method"]: c for c in live["cells"] if c["temperature"] == 0.0}
+    trained, untrained = at_zero["trained"], at_zero["untrained"]
     print(f"live acceptance length at T=0: trained {trained['mean_acceptance_length']}, untrained {untrained['mean_acceptance_length']}")
     assert trained["mean_acceptance_length"] >= untrained["mean_acceptance_length"] + 0.1, (trained, untrained)
-    assert trained["accepted_tokens"] > 2 * max(untrained["accepted_tokens"], 1)
+    assert trained["counters"]["accepted_tokens"] > 2 * max(untrained["counters"]["accepted_tokens"], 1)
+    assert "live (heldout prompts, T=0, concurrency 1): decode untrained" in result.stdout
     report = (tmp_path / "run" / "report.md").read_text()
     assert f"report:       {tmp_path / 'run' / 'report.md'}" in result.stdout
     assert "## Acceptance (live, vLLM spec-decode counters)" in report and "![training curves](train/curves.png)" in report

@@ -41,6 +41,7 @@ SMALL = [
     "data.limit=40", "data.num_shards=2", "generation.max_tokens=64", "generation.concurrency=2",
     "train.epochs=2", "train.batch_tokens=512", "train.save_every_steps=2",
     "evaluate.compare_untrained=false", "evaluate.num_prompts=2", "evaluate.max_tokens=16", "evaluate.temperatures=[0.0]",
+    'evaluate.methods=["trained"]', 'evaluate.prompt_sets=["heldout"]', "evaluate.concurrencies=[1]", "evaluate.rounds=1",
     f'server.python="{VLLM_PYTHON}"',
 ]
 # Two training processes on the same inputs usually agree bit for bit, but not always: once in CI

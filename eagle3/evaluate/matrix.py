@@ -1,0 +1,243 @@
+"""The live comparison: methods x prompt sets x temperatures x concurrencies, in alternating rounds.
+
+Design choices:
+- A *cell* is (prompt set, temperature, concurrency); a *visit* sends every prompt of the
+  cell's set once to one method's server. Every method sees the same prompts with the same
+  max_tokens. Visits come in ``evaluate.rounds`` rounds; each round visits every method for
+  every cell, the method order rotated by one per round, so slow drift of the machine (other
+  load, thermal state) falls on every method alike instead of on whichever ran last.
+- ``evaluate.servers``: ``side_by_side`` starts each method's server once and keeps them all
+  up (only the one being measured gets requests), interleaving methods per cell: the fastest
+  alternation, at the memory of one server per method. ``restart`` runs one server at a time
+  and restarts per round (each round measures every cell of a method, then moves on): fits any
+  machine that holds one server, at the cost of methods x rounds starts.
+- A cell's figures pool its rounds: decode tokens/s = pooled decode tokens / pooled decode
+  time (see measure.py), acceptance from the summed raw counters. Per-round values are kept,
+  with their spread, so the reader sees how much of a difference is noise.
+- Acceptance per method: vLLM's counters differenced around each visit (one server per
+  method, so nothing else moves them). No speculation has acceptance length 1 by definition
+  (one token per target step; vLLM exports no spec-decode counters then). The n-gram
+  speculator's counters count only steps in which it found a match and proposed tokens, so
+  its acceptance length is not comparable with a drafter's, which proposes every step: the
+  raw counters are recorded and the decode-rate speed-up is the headline.
+- At temperature 0 every method must produce the target's greedy answer (speculative
+  decoding is lossless): each visit's token ids are compared with the reference method's
+  (``none`` when measured) and the counts of identical answers are recorded. At concurrency
+  above 1 batched kernels may legitimately flip near-tied tokens, so that check is reported,
+  not enforced.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import time
+from functools import reduce
+from pathlib import Path
+
+from eagle3.evaluate import measure, metrics, servers
+
+ACCEPTANCE_SOURCE = {
+    "none": "1 by definition: no speculation, one token per target step",
+    "ngram": "vLLM spec-decode counters; counts only steps where n-gram found a match and proposed tokens",
+    "untrained": "vLLM spec-decode counters",
+    "trained": "vLLM spec-decode counters",
+}
+
+
+def rotated(methods: list[str], round_index: int) -> list[str]:
+    k = round_index % len(methods)
+    return methods[k:] + methods[:k]
+
+
+def visit_order(methods: list[str], cells: list[tuple], rounds: int, strategy: str) -> list[tuple[int, str, tuple]]:
+    """(round, method, cell) in the order they are measured."""
+    order = []
+    for r in range(rounds):
+        ms = rotated(methods, r)
+        pairs = ((m, c) for c in cells for m in ms) if strategy == "side_by_side" else ((m, c) for m in ms for c in cells)
+        order += [(r, m, c) for m, c in pairs]
+    return order
+
+
+def methods_of(config) -> list[str]:
+    ev = config.evaluate
+    return [m for m in dict.fromkeys(ev.methods) if ev.compare_untrained or m != "untrained"]
+
+
+def temperatures(config) -> list[float]:
+    temps = config.evaluate.temperatures
+    temps = [0.0, config.generation.temperature] if temps is None else temps
+    return list(dict.fromkeys(float(t) for t in temps))
+
+
+def request_timeout_s(config) -> float:
+    gen = config.generation
+    if gen.request_timeout_s is not None:
+        return gen.request_timeout_s
+    return gen.deadline_base_s + config.evaluate.max_tokens / gen.min_tokens_per_s
+
+
+class ServerSet:
+    """The servers of the methods, started and stopped as ``strategy`` says; always stopped on exit."""
+
+    def __init__(self, config, specs: dict[str, dict | None], out: Path, warm_prompt: dict, logger):
+        self.config, self.specs, self.out, self.warm_prompt, self.log = config, specs, out, warm_prompt, logger
+        self.strategy = config.evaluate.servers
+        self.running: dict[str, object] = {}
+        self.starts: list[dict] = []
+        self._current: tuple[int, str] | None = None
+
+    def get(self, round_index: int, method: str):
+        if self.strategy == "restart" and self._current != (round_index, method):
+            self.close()
+        self._current = (round_index, method)
+        if method not in self.running:
+            self.running[method] = self._start(round_index, method)
+        return self.running[method]
+
+    def others(self, method: str) -> list:
+        return [s for m, s in self.running.items() if m != method]
+
+    def _start(self, round_index: int, method: str):
+        managed = servers.make_server(self.config, method, self.specs[method], self.out / f"server-{method}.log", self.log)
+        began = time.monotonic()
+        managed.start()
+        try:
+            servers.warm_up(managed, self.warm_prompt, request_timeout_s(self.config))
+        except BaseException:
+            managed.stop_quietly()
+            raise
+        self.starts.append({"method": method, "round": round_index, "start_s": round(time.monotonic() - began, 1)})
+        return managed
+
+    def close(self) -> None:
+        while self.running:
+            self.running.popitem()[1].stop_quietly()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _cpu(servers_: list) -> float | None:
+    values = [servers.group_cpu_seconds(s) for s in servers_]
+    return None if any(v is None for v in values) else sum(values)
+
+
+def _visit(managed, others: list, prompts: list[dict], cell: tuple, config, probe) -> tuple[dict, list]:
+    """Measure one method on one cell: stats, counter delta, CPU, token ids per prompt."""
+    _, temperature, concurrency = cell
+    ev = config.evaluate
+    before = metrics.fetch_metrics(probe, managed.root_url, managed.api_key)
+    cpu0, idle0 = _cpu([managed]), _cpu(others)
+    outcomes, wall = measure.run_batch(managed.base_url, managed.api_key, managed.served_model_name, prompts,
+                                       temperature=temperature, top_p=config.generation.top_p, max_tokens=ev.max_tokens,
+                                       concurrency=concurrency, timeout_s=request_timeout_s(config))
+    managed.check()
+    after = metrics.fetch_metrics(probe, managed.root_url, managed.api_key)
+    cpu1, idle1 = _cpu([managed]), _cpu(others)
+    record = {
+        "stats": measure.summarize(outcomes, wall),
+        "counters": metrics.raw_delta(before, after) if after["found"] else None,
+        "server_cpu_s": None if cpu0 is None or cpu1 is None else round(cpu1 - cpu0, 2),
+        "idle_servers_cpu_s": None if not others or idle0 is None or idle1 is None else round(idle1 - idle0, 2),
+    }
+    ids = [None if o.error else o.token_ids for o in outcomes]
+    return record, ids
+
+
+def _digest(ids: list[int] | None) -> str | None:
+    return None if ids is None else hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:16]
+
+
+def run_matrix(config, specs: dict[str, dict | None], sets: dict[str, dict], out: Path, logger) -> tuple[list[dict], list[dict]]:
+    """Every visit, in alternation order; (visit records, server starts)."""
+    ev = config.evaluate
+    methods = list(specs)
+    cells = list(itertools.product(list(sets), temperatures(config), list(dict.fromkeys(ev.concurrencies))))
+    warm = next(iter(sets.values()))["prompts"][0]
+    visits = []
+    with ServerSet(config, specs, out, warm, logger) as pool, servers.metrics_client() as probe:
+        for round_index, method, cell in visit_order(methods, cells, ev.rounds, ev.servers):
+            managed = pool.get(round_index, method)
+            prompts = sets[cell[0]]["prompts"]
+            record, ids = _visit(managed, pool.others(method), prompts, cell, config, probe)
+            stats = record["stats"]
+            logger.info("evaluate round %d %s %s T=%g c=%d: %d/%d ok, %.1f decode tokens/s%s", round_index, method, cell[0],
+                        cell[1], cell[2], stats["requests_ok"], stats["requests"], measure.rates(stats)["decode_tokens_per_s"] or 0.0,
+                        "" if record["counters"] is None else f", acceptance length {metrics.with_rates(record['counters'])['mean_acceptance_length']}")
+            visits.append({"round": round_index, "method": method, "prompt_set": cell[0], "temperature": cell[1],
+                           "concurrency": cell[2], **record, "token_ids": ids,
+                           "outputs": {p["id"]: _digest(i) for p, i in zip(prompts, ids)}})
+        starts = pool.starts
+    return visits, starts
+
+
+# -- pooling visits into cells ---------------------------------------------------------------
+
+
+def _spread(values: list[float | None]) -> dict:
+    xs = [v for v in values if v is not None]
+    if not xs:
+        return {"min": None, "max": None, "relative": None}
+    mean = sum(xs) / len(xs)
+    return {"min": min(xs), "max": max(xs), "relative": (max(xs) - min(xs)) / mean if mean else None}
+
+
+def _acceptance(method: str, counters: dict | None) -> dict:
+    if method == "none":
+        return {"mean_acceptance_length": 1.0, "acceptance_rate": None, "per_position_acceptance": [], "counters": None}
+    if counters is None:
+        return {"mean_acceptance_length": None, "acceptance_rate": None, "per_position_acceptance": [], "counters": None}
+    full = metrics.with_rates(counters)
+    return {"mean_acceptance_length": full["mean_acceptance_length"], "acceptance_rate": full["acceptance_rate"],
+            "per_position_acceptance": full["per_position_acceptance"], "counters": counters}
+
+
+def pool_cell(method: str, visits: list[dict]) -> dict:
+    """One cell of one method from its visits (its rounds)."""
+    stats = reduce(measure.add_stats, [v["stats"] for v in visits])
+    found = [v["counters"] for v in visits if v["counters"] is not None]
+    counters = reduce(metrics.add_raw, found) if found else None
+    rounds = [{"round": v["round"], "decode_tokens_per_s": measure.rates(v["stats"])["decode_tokens_per_s"],
+               "mean_acceptance_length": _acceptance(method, v["counters"])["mean_acceptance_length"],
+               "server_cpu_s": v["server_cpu_s"], "idle_servers_cpu_s": v["idle_servers_cpu_s"]} for v in visits]
+    return {**stats, **measure.rates(stats), **_acceptance(method, counters), "acceptance_source": ACCEPTANCE_SOURCE[method],
+            "rounds": rounds, "decode_tokens_per_s_spread": _spread([r["decode_tokens_per_s"] for r in rounds])}
+
+
+def _greedy(visits: list[dict], reference: dict[tuple, list]) -> dict:
+    """Answers identical to the reference method's answer of round 0, over every round."""
+    identical = compared = 0
+    for v in visits:
+        ref = reference.get((v["prompt_set"], v["temperature"], v["concurrency"]))
+        for mine, theirs in zip(v["token_ids"], ref or []):
+            if mine is not None and theirs is not None:
+                compared += 1
+                identical += mine == theirs
+    return {"greedy_identical": identical, "greedy_compared": compared}
+
+
+def pool_cells(visits: list[dict], methods: list[str]) -> list[dict]:
+    """Cells in (prompt set, temperature, concurrency, method) order, with speed-ups and the greedy check."""
+    ref_method = "none" if "none" in methods else methods[0]
+    reference = {(v["prompt_set"], v["temperature"], v["concurrency"]): v["token_ids"]
+                 for v in visits if v["method"] == ref_method and v["round"] == 0 and v["temperature"] == 0}
+    keys = list(dict.fromkeys((v["prompt_set"], v["temperature"], v["concurrency"]) for v in visits))
+    cells = []
+    for key in keys:
+        group = {}
+        for m in methods:
+            mine = [v for v in visits if (v["prompt_set"], v["temperature"], v["concurrency"]) == key and v["method"] == m]
+            if mine:
+                group[m] = {"method": m, "prompt_set": key[0], "temperature": key[1], "concurrency": key[2], **pool_cell(m, mine),
+                            **(_greedy(mine, reference) if key[1] == 0 else {})}
+        for cell in group.values():
+            for base in ("none", "ngram"):
+                rate, other = cell["decode_tokens_per_s"], (group.get(base) or {}).get("decode_tokens_per_s")
+                cell[f"speedup_vs_{base}"] = rate / other if rate and other else None
+        cells += group.values()
+    return cells
