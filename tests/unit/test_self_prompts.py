@@ -309,3 +309,10 @@ def test_requests_carry_the_turn_stop_and_distinct_seeds(tmp_path):
     bodies = [sp_mod.request_body(plan, cfg.data.self_prompts, i, "m") for i in range(3)]
     assert [b["seed"] for b in bodies] == [100, 103, 106]  # vLLM seeds the n=3 samples seed..seed+2
     assert all(b["stop"] == ["<|im_end|>"] and b["stop_token_ids"] and b["add_special_tokens"] is False for b in bodies)
+
+
+def test_unseeded_requests_send_no_seed_and_get_their_own_request_file(tmp_path):
+    seeded, unseeded = config(tmp_path), config(tmp_path, "data.self_prompts.seeded=false")
+    assert "seed" not in sp_mod.request_body(make_plan(unseeded), unseeded.data.self_prompts, 2, "m")
+    assert sp_mod.request_seed(unseeded.data.self_prompts, 2) is None
+    assert make_plan(seeded).key != make_plan(unseeded).key  # answers drawn another way are never mixed

