@@ -130,7 +130,7 @@ def fake_managed(demo_config, tmp_path, n_prompts, *sets):
     fake_cfg = tmp_path / "fake.json"
     fake_cfg.write_text(json.dumps({"slots": 4, "tokens_per_s": 400}))  # ~0.16 s per request
     config = demo_config(
-        f'data.source="{write_prompts(tmp_path, n_prompts)}"', "data.num_shards=2", 'server.model="fake-target"',
+        f'data.source="{write_prompts(tmp_path, n_prompts)}"', "data.num_shards=2", 'server.model="tiny:qwen3"', 'server.served_model_name="fake-target"',
         f'server.command=["{PYTHON}", "{wrapper}"]', f'server.args=["--fake-config-file", "{fake_cfg}"]', 'server.reasoning_parser=""',
         "server.startup_timeout_s=30", "server.stop_grace_s=5", "generation.concurrency=8",
         "generation.backoff_base_s=0.05", "generation.backoff_max_s=0.2", "generation.max_attempts=3",
