@@ -18,7 +18,6 @@ Design choices:
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import shutil
 import tempfile
 import time
@@ -201,8 +200,3 @@ def _versions() -> dict:
         except importlib.metadata.PackageNotFoundError:
             found[name] = None
     return found
-
-
-def describe(folder: str | Path) -> str:
-    info = read_json(Path(folder) / MARKER)
-    return json.dumps({k: info[k] for k in ("source", "architecture", "dtype", "check_text")}, indent=2)

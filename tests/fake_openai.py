@@ -512,14 +512,20 @@ class FakeApp:
 
     # -- chat completions
 
-    def _parse_chat(self, headers: dict[str, str], body: bytes) -> Reply | tuple[dict, int | None]:
+    def _authorized_json(self, headers: dict[str, str], body: bytes) -> Reply | object:
+        """The request body decoded, or the reply vLLM gives a bad key or malformed JSON."""
         if self._auth and headers.get("authorization") != self._auth:
             self.stats.rejected["unauthorized"] += 1
             return _json_reply(401, {"error": "Unauthorized"})
         try:
-            request = json.loads(body)
+            return json.loads(body)
         except ValueError as exc:
             return self._bad_request(f"JSON decode error: {exc}", "invalid_json")
+
+    def _parse_chat(self, headers: dict[str, str], body: bytes) -> Reply | tuple[dict, int | None]:
+        request = self._authorized_json(headers, body)
+        if isinstance(request, Reply):
+            return request
         messages = request.get("messages") if isinstance(request, dict) else None
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             message = "1 validation error: messages: Field required (a non-empty list)"
@@ -576,13 +582,9 @@ class FakeApp:
     # -- text completions (what self-written prompts use): n choices, stop strings, seeds
 
     def _parse_completion(self, headers: dict[str, str], body: bytes) -> Reply | dict:
-        if self._auth and headers.get("authorization") != self._auth:
-            self.stats.rejected["unauthorized"] += 1
-            return _json_reply(401, {"error": "Unauthorized"})
-        try:
-            request = json.loads(body)
-        except ValueError as exc:
-            return self._bad_request(f"JSON decode error: {exc}", "invalid_json")
+        request = self._authorized_json(headers, body)
+        if isinstance(request, Reply):
+            return request
         if not isinstance(request, dict) or not isinstance(request.get("prompt"), str):
             return self._bad_request("1 validation error: prompt: a string is required by the fake server", "invalid_request")
         if request.get("model") not in (None, self.cfg.model):
