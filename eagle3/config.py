@@ -536,14 +536,18 @@ class EvaluateConfig(_Strict):
             "out of evaluate.methods."
         ),
     )
-    methods: list[Literal["none", "ngram", "untrained", "trained"]] = Field(
+    methods: list[Literal["none", "ngram", "untrained", "trained",
+                          "none_compiled", "ngram_compiled", "untrained_compiled", "trained_compiled"]] = Field(
         default_factory=lambda: ["none", "ngram", "untrained", "trained"],
         min_length=1,
         description=(
             "Speculation methods served and compared, one vLLM server each: none (the target alone: the baseline every "
             "speed-up divides by), ngram (vLLM's prompt-lookup speculator: what a user gets without training), untrained "
             "(a drafter with this run's vocabulary and random layers: what training started from) and trained (the "
-            "exported drafter). Default: all four, because the drafter is only worth its cost if it beats the first two."
+            "exported drafter). Default: all four, because the drafter is only worth its cost if it beats the first two. "
+            "Each has a *_compiled variant: the same server without --enforce-eager (only meaningful when server.args "
+            "has it), so the baseline can be the faster of eager and compiled no speculation; eager starts faster, "
+            "compiled decodes faster."
         ),
     )
     prompt_sets: list[Literal["heldout", "external"]] = Field(
@@ -653,6 +657,14 @@ class PipelineConfig(_Strict):
             if reason is not None:
                 raise ValueError(f"run_dir {run_dir!r} is not a safe run directory: {reason}. Use a folder of its own, e.g. runs/NAME")
         return run_dir
+
+    @model_validator(mode="after")
+    def _compiled_needs_eager(self):
+        compiled = [m for m in self.evaluate.methods if m.endswith("_compiled")]
+        if compiled and "--enforce-eager" not in self.server.args:
+            raise ValueError(f"evaluate.methods {compiled}: a *_compiled method serves without --enforce-eager, but server.args "
+                             f"does not pass --enforce-eager, so the plain methods are compiled already; drop the *_compiled ones")
+        return self
 
 
 def section_hash(section: BaseModel) -> str:

@@ -46,7 +46,7 @@ def _drafters(config: PipelineConfig, methods: list[str], drafter_dir, out: Path
         raise MissingInput(f"{drafter_dir} holds no exported drafter (config.json): needed for methods "
                            f"{[m for m in methods if m in servers.DRAFTER_METHODS]}")
     found = {"trained": Path(drafter_dir)}
-    if "untrained" in methods:
+    if any(servers.base_method(m) == "untrained" for m in methods):
         found["untrained"] = servers.build_untrained(config, Path(drafter_dir), out, logger)
     return found
 
@@ -68,7 +68,8 @@ def headline(doc: dict, temperature: float | None = None) -> dict:
     return {**where, "num_speculative_tokens": doc["num_speculative_tokens"],
             **{f"acceptance_length_{m}": get(m, "mean_acceptance_length") for m in ("trained", "untrained", "ngram")},
             "decode_tokens_per_s": {m: c["decode_tokens_per_s"] for m, c in by.items()},
-            "speedup_vs_none": get("trained", "speedup_vs_none"), "speedup_vs_ngram": get("trained", "speedup_vs_ngram")}
+            "speedup_vs_none": get("trained", "speedup_vs_none"), "speedup_vs_ngram": get("trained", "speedup_vs_ngram"),
+            **matrix.fastest_ratios(by)}
 
 
 def measure_live(config: PipelineConfig, drafter_dir: str | Path | None, *, out_dir: str | Path, logger=None) -> dict:
@@ -94,7 +95,7 @@ def measure_live(config: PipelineConfig, drafter_dir: str | Path | None, *, out_
     visits, starts = matrix.run_matrix(config, specs, sets, out, log)
     doc = {
         "target": config.server.model, "drafter": str(Path(drafter_dir).resolve()) if drafter_dir else None,
-        "methods": {m: {"speculative_config": specs[m], "acceptance_source": matrix.ACCEPTANCE_SOURCE[m]} for m in methods},
+        "methods": {m: {"speculative_config": specs[m], "acceptance_source": matrix.ACCEPTANCE_SOURCE[servers.base_method(m)]} for m in methods},
         "num_speculative_tokens": ev.num_speculative_tokens, "max_tokens": ev.max_tokens, "rounds": ev.rounds,
         "servers": ev.servers, "server_starts": starts, "seconds": round(time.monotonic() - began, 1),
         "decode_rate_definition": DECODE_RATE_DEFINITION,

@@ -62,7 +62,7 @@ def visit_order(methods: list[str], cells: list[tuple], rounds: int, strategy: s
 
 def methods_of(config) -> list[str]:
     ev = config.evaluate
-    return [m for m in dict.fromkeys(ev.methods) if ev.compare_untrained or m != "untrained"]
+    return [m for m in dict.fromkeys(ev.methods) if ev.compare_untrained or servers.base_method(m) != "untrained"]
 
 
 def temperatures(config) -> list[float]:
@@ -188,7 +188,7 @@ def _spread(values: list[float | None]) -> dict:
 
 
 def _acceptance(method: str, counters: dict | None) -> dict:
-    if method == "none":
+    if servers.base_method(method) == "none":
         return {"mean_acceptance_length": 1.0, "acceptance_rate": None, "per_position_acceptance": [], "counters": None}
     if counters is None:
         return {"mean_acceptance_length": None, "acceptance_rate": None, "per_position_acceptance": [], "counters": None}
@@ -205,7 +205,7 @@ def pool_cell(method: str, visits: list[dict]) -> dict:
     rounds = [{"round": v["round"], "decode_tokens_per_s": measure.rates(v["stats"])["decode_tokens_per_s"],
                "mean_acceptance_length": _acceptance(method, v["counters"])["mean_acceptance_length"],
                "server_cpu_s": v["server_cpu_s"], "idle_servers_cpu_s": v["idle_servers_cpu_s"]} for v in visits]
-    return {**stats, **measure.rates(stats), **_acceptance(method, counters), "acceptance_source": ACCEPTANCE_SOURCE[method],
+    return {**stats, **measure.rates(stats), **_acceptance(method, counters), "acceptance_source": ACCEPTANCE_SOURCE[servers.base_method(method)],
             "rounds": rounds, "decode_tokens_per_s_spread": _spread([r["decode_tokens_per_s"] for r in rounds])}
 
 
@@ -236,8 +236,38 @@ def pool_cells(visits: list[dict], methods: list[str]) -> list[dict]:
                 group[m] = {"method": m, "prompt_set": key[0], "temperature": key[1], "concurrency": key[2], **pool_cell(m, mine),
                             **(_greedy(mine, reference) if key[1] == 0 else {})}
         for cell in group.values():
+            rate = cell["decode_tokens_per_s"]
             for base in ("none", "ngram"):
-                rate, other = cell["decode_tokens_per_s"], (group.get(base) or {}).get("decode_tokens_per_s")
+                other = (group.get(base) or {}).get("decode_tokens_per_s")
                 cell[f"speedup_vs_{base}"] = rate / other if rate and other else None
+            fastest = fastest_rate(group, "none")
+            cell["speedup_vs_fastest_none"] = rate / fastest if rate and fastest and len(variants(group, "none")) > 1 else None
         cells += group.values()
     return cells
+
+
+def variants(group: dict[str, dict], base: str) -> list[dict]:
+    """The measured cells of ``base`` and its compiled variant."""
+    return [group[m] for m in (base, base + servers.COMPILED) if m in group]
+
+
+def fastest_rate(group: dict[str, dict], base: str) -> float | None:
+    rates = [c["decode_tokens_per_s"] for c in variants(group, base) if c["decode_tokens_per_s"]]
+    return max(rates) if rates else None
+
+
+def fastest_ratios(group: dict[str, dict]) -> dict:
+    """When compiled variants were measured: the faster trained server over the faster no-speculation
+    (and n-gram) server, each in whichever graph mode served it faster, naming the modes."""
+    if not any(servers.is_compiled(m) for m in group):
+        return {}
+    out = {}
+    best = {b: max(variants(group, b), key=lambda c: c["decode_tokens_per_s"] or 0.0, default=None) for b in ("trained", "none", "ngram")}
+    top = best["trained"]
+    for base in ("none", "ngram"):
+        other = best[base]
+        ok = top and other and top["decode_tokens_per_s"] and other["decode_tokens_per_s"]
+        out[f"speedup_fastest_vs_fastest_{base}"] = top["decode_tokens_per_s"] / other["decode_tokens_per_s"] if ok else None
+        out[f"fastest_{base}_method"] = other["method"] if other else None
+    out["fastest_trained_method"] = top["method"] if top else None
+    return out

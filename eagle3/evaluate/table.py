@@ -19,9 +19,9 @@ def _spread(cell: dict) -> str:
 
 def _acceptance(cell: dict) -> str:
     value = _f(cell["mean_acceptance_length"])
-    if cell["method"] == "none":
+    if cell["method"].startswith("none"):
         return "1 (by definition)"
-    return value + (" (steps with a proposal only)" if cell["method"] == "ngram" and cell["mean_acceptance_length"] else "")
+    return value + (" (steps with a proposal only)" if cell["method"].startswith("ngram") and cell["mean_acceptance_length"] else "")
 
 
 def cell_row(cell: dict) -> dict:
@@ -51,6 +51,13 @@ def markdown_table(doc: dict) -> str:
               "", "Acceptance length = 1 + accepted / drafts from vLLM's counters. n-gram's counters count only the steps "
                   "where it proposed tokens, so compare speed-ups, not its acceptance length. Greedy identical: answers at "
                   "T=0 equal to the reference method's (none when measured), over all rounds."]
+    head = doc.get("headline") or {}
+    if head.get("speedup_fastest_vs_fastest_none") is not None:
+        lines += ["", f"*_compiled: the same server without --enforce-eager. Headline cell: the faster trained server "
+                      f"({head['fastest_trained_method']}) decodes {_f(head['speedup_fastest_vs_fastest_none'], 2, 'x')} as fast as the "
+                      f"faster no-speculation server ({head['fastest_none_method']}) and "
+                      f"{_f(head.get('speedup_fastest_vs_fastest_ngram'), 2, 'x')} as fast as the faster n-gram server "
+                      f"({head.get('fastest_ngram_method') or 'n/a'})."]
     return "\n".join(lines)
 
 
@@ -63,5 +70,8 @@ def summary_line(head: dict | None) -> str | None:
     parts = [f"{m} {_f(r, 1)} tok/s" for m, r in rates.items()]
     accept = [f"{m} {_f(head.get(f'acceptance_length_{m}'))}" for m in ("trained", "untrained", "ngram") if head.get(f"acceptance_length_{m}") is not None]
     speed = [f"{_f(head.get(k), 2, 'x')} vs {k.rsplit('_', 1)[1]}" for k in ("speedup_vs_none", "speedup_vs_ngram") if head.get(k) is not None]
+    fastest = head.get("speedup_fastest_vs_fastest_none")
+    if fastest is not None:
+        speed.append(f"fastest trained ({head['fastest_trained_method']}) {_f(fastest, 2, 'x')} vs fastest none ({head['fastest_none_method']})")
     return (f"live ({where}): decode {', '.join(parts)}" + (f"; acceptance length {', '.join(accept)}" if accept else "")
             + (f"; trained {', '.join(speed)}" if speed else ""))

@@ -201,3 +201,45 @@ def test_cli_summary_prints_the_headline_line(tmp_path):
     text = _summary(load_config(None, [f'run_dir="{tmp_path}"']), {"evaluate": entry})
     assert "live acceptance length (vLLM): T=0: 2.000" in text
     assert "live (heldout prompts, T=0, concurrency 1): decode none 5.0 tok/s, ngram 10.0 tok/s, trained 20.0 tok/s;" in text
+
+
+def test_compiled_variants_serve_without_enforce_eager_and_the_headline_divides_by_the_faster_baseline():
+    from eagle3.config import ConfigError, load_config
+    from eagle3.evaluate import servers
+    from eagle3.evaluate.live import headline
+    from eagle3.evaluate.table import markdown_table
+
+    args = ["--enforce-eager", "--max-model-len", "2048"]
+    assert servers.method_args("none_compiled", args) == ["--max-model-len", "2048"]
+    assert servers.method_args("trained", args) == args
+    cfg = load_config(None, ['server.args=["--enforce-eager"]', 'evaluate.methods=["none", "none_compiled", "trained_compiled"]'])
+    drafters = {"trained": "/d/trained"}
+    assert servers.speculative_config("none_compiled", cfg, drafters) is None
+    assert servers.speculative_config("trained_compiled", cfg, drafters) == servers.speculative_config("trained", cfg, drafters)
+    with pytest.raises(ValueError, match="unknown evaluate method"):
+        servers.speculative_config("ngram_eager", cfg, drafters)
+    with pytest.raises(ConfigError, match="--enforce-eager"):
+        load_config(None, ['server.args=["--max-model-len", "2048"]', 'evaluate.methods=["none", "none_compiled"]'])
+
+    # none 5 tok/s eager, 8 compiled; trained 20 eager, 16 compiled; n-gram eager only (10)
+    visits = [_visit("none", 0, None, 21, 4.0, [1]), _visit("none_compiled", 0, None, 21, 2.5, [1]),
+              _visit("ngram", 0, _raw(2, 4, [2, 1, 1]), 21, 2.0, [1]), _visit("trained", 0, _raw(8, 8, [5, 2, 1]), 21, 1.0, [1]),
+              _visit("trained_compiled", 0, _raw(8, 8, [5, 2, 1]), 21, 1.25, [1])]
+    methods = ["none", "none_compiled", "ngram", "trained", "trained_compiled"]
+    cells = {c["method"]: c for c in matrix.pool_cells(visits, methods)}
+    assert cells["none_compiled"]["mean_acceptance_length"] == 1.0 and "definition" in cells["none_compiled"]["acceptance_source"]
+    assert cells["trained"]["speedup_vs_none"] == pytest.approx(4.0)
+    assert cells["trained"]["speedup_vs_fastest_none"] == pytest.approx(20 / 8)
+    assert cells["trained_compiled"]["speedup_vs_fastest_none"] == pytest.approx(16 / 8)
+    assert cells["trained_compiled"]["greedy_identical"] == 1
+    doc = {"cells": list(cells.values()), "num_speculative_tokens": 3, "max_tokens": 32, "rounds": 1, "servers": "restart",
+           "decode_rate_definition": "d", "prompt_sets": {"heldout": {"label": "h", "selection": {}, "prompt_ids": ["a"]}}}
+    head = headline(doc)
+    assert head["speedup_fastest_vs_fastest_none"] == pytest.approx(20 / 8)
+    assert (head["fastest_trained_method"], head["fastest_none_method"], head["fastest_ngram_method"]) == ("trained", "none_compiled", "ngram")
+    assert head["speedup_fastest_vs_fastest_ngram"] == pytest.approx(2.0)
+    doc["headline"] = head
+    assert "faster no-speculation server (none_compiled)" in markdown_table(doc)
+    plain = {c["method"]: c for c in matrix.pool_cells(visits[:1] + visits[2:4], ["none", "ngram", "trained"])}
+    assert plain["trained"]["speedup_vs_fastest_none"] is None
+    assert "speedup_fastest_vs_fastest_none" not in headline({**doc, "cells": list(plain.values())})
