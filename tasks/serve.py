@@ -47,6 +47,7 @@ class Serving:
     target: Target
     server: object | None = None  # the ManagedServer in managed mode
     events: Path | None = None  # generations/replica-events.jsonl (EndpointPool writes it)
+    stage: str = "generate"  # the stage using the server, for messages
     started_at: float = field(default_factory=time.time)
 
     @property
@@ -81,7 +82,7 @@ class Serving:
     def raise_if_lost(self, config: PipelineConfig, cause: BaseException | None = None) -> None:
         if self.lost is not None:
             raise ServerLost(
-                f"generate: the vLLM server kept exiting: server.max_restarts={config.server.max_restarts} is used up "
+                f"{self.stage}: the vLLM server kept exiting: server.max_restarts={config.server.max_restarts} is used up "
                 f"({self.restarts} restart(s) made); finished samples are kept and a rerun resumes. {self.lost}"
             ) from cause
 
@@ -138,7 +139,8 @@ async def _managed(config: PipelineConfig, logger, folder: str) -> AsyncIterator
         os.environ[MANAGED_KEY_ENV] = managed.api_key
         # The caller reads Serving.lost: a server gone for good (past server.max_restarts) is
         # reported after the stage's accounting is written, not instead of it.
-        yield Serving(Target((managed.base_url,), MANAGED_KEY_ENV, name, template_hash(model_path)), managed, events=replica_events(config, folder))
+        yield Serving(Target((managed.base_url,), MANAGED_KEY_ENV, name, template_hash(model_path)), managed, events=replica_events(config, folder),
+                      stage=STAGE_OF_FOLDER.get(folder, folder))
         if managed.restarts:
             logger.warning("the vLLM server was restarted %d time(s) during this flow (server.max_restarts=%d): %s",
                            managed.restarts, server.max_restarts, managed.restart_events)
@@ -163,6 +165,9 @@ async def _external(config: PipelineConfig, logger, folder: str) -> AsyncIterato
         logger.warning("%d of %d replicas are benched from the start and probed until they answer", len(bad), len(server.urls))
     down = tuple((url, bad[url]) for url in server.urls if url in bad)
     yield Serving(Target(tuple(server.urls), server.api_key_env, server.served_model_name or server.model, "", down), events=replica_events(config, folder))
+
+
+STAGE_OF_FOLDER = {"generations": "generate", "prompts": "prepare"}
 
 
 def replica_events(config: PipelineConfig, folder: str = "generations") -> Path:
