@@ -19,7 +19,7 @@ What is measured, and why this way:
   (retry policy, deadlines, a flushed JSONL append per record, fsync every 16).
 - Prefect overhead: the same shards through the eagle3-generate flow (external mode, a temporary
   Prefect server already up) against the same shards run by plain asyncio with the same layout.
-Results: benchmarks/results/generation.json, and a markdown table on stdout (copied to the README).
+Results: benchmarks/results/generation.json, and a markdown table on stdout (copied to benchmarks/README.md).
 """
 
 from __future__ import annotations

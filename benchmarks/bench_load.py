@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_load.py            # full: 50,000 prompts, ~10 min here
     .venv/bin/python benchmarks/bench_load.py --quick    # 5,000 prompts, a smoke run
 
-The claim (issue 8): 0 prompts lost, 0 duplicated, client memory flat. Exits non-zero when
+The claim: 0 prompts lost, 0 duplicated, client memory flat. Exits non-zero when
 lost or duplicated is not 0. Results: benchmarks/results/load.json.
 
 What runs, and why this way:

@@ -3,7 +3,7 @@
 A stage that reads a shard written by an earlier stage (or by an older version of it, or by a
 user's own tool) checks two things before any work, and names what differs:
 
-- the Parquet schema: each column it reads exists and has the type DESIGN.md promises. Only the
+- the Parquet schema: each column it reads exists and has the type docs/design.md promises. Only the
   footer is read (``pq.read_schema``), so the check costs nothing next to the work it guards.
 - the tokenizer: ``input_ids`` mean something only under the tokenizer that made them. The
   tokenize marker records ``tokenizer_sha256`` (``tokenizer_hash``); extract and train compare it
@@ -92,7 +92,7 @@ def check_schema(path: str | Path, columns: tuple[Column, ...], what: str) -> pa
                               f"(found columns: {', '.join(schema.names) or 'none'})")
         found = schema.field(index).type
         if not col.accepts(found):
-            raise SchemaError(f"{path}: column {col.name!r} is {found}, expected {col.expected} (the {what} schema in DESIGN.md)")
+            raise SchemaError(f"{path}: column {col.name!r} is {found}, expected {col.expected} (the {what} schema in docs/design.md)")
     return schema
 
 

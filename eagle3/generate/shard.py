@@ -1,7 +1,7 @@
 """Generate one prompt shard: durable, resumable, every prompt accounted for.
 
 Files per shard (``RUN/generations/``):
-- ``shard-K.jsonl``          one record per finished prompt (the DESIGN contract fields)
+- ``shard-K.jsonl``          one record per finished prompt (the contract fields, docs/design.md)
 - ``shard-K.filtered.jsonl`` finished but filtered (``finish_reason=length`` with keep_truncated off)
 - ``shard-K.failed.jsonl``   one line per prompt that failed a run, with kind, message, attempts
 - ``shard-K.meta.json``      the generation key the records were made with

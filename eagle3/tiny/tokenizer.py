@@ -8,7 +8,7 @@ embedding rows; should a corpus ever fall short, the builder pads to the next
 multiple of 64 and makes those rows unsampleable.
 
 ``<think>``/``</think>`` are added *non-special* tokens, as vLLM's qwen3
-reasoning parser needs (DESIGN.md): vLLM detokenizes with
+reasoning parser needs (docs/design.md): vLLM detokenizes with
 skip_special_tokens=True by default, so a special ``</think>`` could vanish
 from the text the parser splits. The training text is held in memory once per
 process (``corpus_documents``) since training and token counting both read it.
