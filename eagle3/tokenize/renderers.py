@@ -113,6 +113,12 @@ def check_rows(n: int) -> range:
 def mismatch(index: int, fast: Rendered, slow: Rendered) -> RenderMismatch:
     (a, sa), (b, sb) = fast, slow
     at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    what = f"text differs at char {at}: {a[at:at + 40]!r} vs jinja {b[at:at + 40]!r}" if a != b else f"spans {sa} vs jinja {sb}"
-    return RenderMismatch(f"the plain-Python renderer for this chat template disagrees with jinja on conversation {index} of the batch: {what}. "
-                          "This is a bug in eagle3/tokenize/renderers.py; remove the template's entry from RENDERERS to render through jinja")
+    what = (
+        f"text differs at char {at}: {a[at : at + 40]!r} vs jinja {b[at : at + 40]!r}"
+        if a != b
+        else f"spans {sa} vs jinja {sb}"
+    )
+    return RenderMismatch(
+        f"the plain-Python renderer for this chat template disagrees with jinja on conversation {index} of the batch: {what}. "
+        "This is a bug in eagle3/tokenize/renderers.py; remove the template's entry from RENDERERS to render through jinja"
+    )
