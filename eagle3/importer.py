@@ -65,7 +65,8 @@ def find_gguf(source: str) -> Path:
     found = [Path(dist.locate_file(f)) for f in dist.files or () if str(f).endswith(".gguf")]
     if len(found) != 1:
         raise ImportModelError(
-            f"import-model: package {source!r} ships {len(found)} .gguf files ({', '.join(map(str, found)) or 'none'}); pass one by path"
+            f"import-model: package {source!r} ships {len(found)} .gguf files "
+            f"({', '.join(map(str, found)) or 'none'}); pass one by path"
         )
     return found[0]
 
@@ -85,7 +86,8 @@ def gguf_facts(path: Path) -> dict:
         raise ImportModelError(f"import-model: {path}: unreadable GGUF header ({exc})") from None
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ImportModelError(
-            f"import-model: {path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            f"import-model: {path}: architecture {arch!r} is not supported (supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)})"
         )
     return {"architecture": arch, "parameters": int(sum(int(t.n_elements) for t in reader.tensors))}
 
@@ -126,7 +128,8 @@ def _clean_copy(model, arch: str, dtype: str):
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
     if set(missing) - tied or unexpected:
         raise ImportModelError(
-            f"import-model: weights do not match the config (missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]})"
+            f"import-model: weights do not match the config (missing {sorted(missing)[:5]}, unexpected "
+            f"{sorted(unexpected)[:5]})"
         )
     if tied:
         clean.tie_weights()
@@ -159,7 +162,8 @@ def _verify(folder: Path, expected: list[int], dtype: str) -> None:
     got = greedy_tokens(model, tokenizer, len(expected))
     if got != expected:
         raise ImportModelError(
-            f"import-model: the saved folder answers differently from the GGUF model (GGUF {expected}, saved {got}); nothing installed"
+            f"import-model: the saved folder answers differently from the GGUF model (GGUF {expected}, saved "
+            f"{got}); nothing installed"
         )
 
 
@@ -225,8 +229,8 @@ def import_model(source: str, out_dir: str | Path, dtype: str = "bfloat16", log=
         if tmp.exists():
             remove_inside(tmp, out.parent, ignore_errors=True)
     log(
-        f"import-model: {path.name} -> {out} ({facts['architecture']}, {facts['parameters'] / 1e6:.1f}M parameters, {dtype}) "
-        f"in {time.monotonic() - start:.0f} s; greedy check: {tokenizer.decode(expected)!r}"
+        f"import-model: {path.name} -> {out} ({facts['architecture']}, {facts['parameters'] / 1e6:.1f}M "
+        f"parameters, {dtype}) in {time.monotonic() - start:.0f} s; greedy check: {tokenizer.decode(expected)!r}"
     )
     return out
 

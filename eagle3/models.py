@@ -113,10 +113,10 @@ def hub_snapshot(repo_id: str, revision: str | None = None) -> Path:
     named = repo_id + (f"@{revision}" if revision else "")
     if hub_offline():
         raise ModelNotFoundError(
-            f"model {named!r} is not in the Hugging Face cache {hub_cache_dir()} and the hub is offline (HF_HUB_OFFLINE): "
-            f"download it on a connected machine with `hf download {repo_id}"
-            f"{f' --revision {revision}' if revision else ''}` into this cache (or set HF_HUB_CACHE / HF_HOME to the cache "
-            "that holds it), or set server.model to a local model folder"
+            f"model {named!r} is not in the Hugging Face cache {hub_cache_dir()} and the hub is offline "
+            "(HF_HUB_OFFLINE): download it on a connected machine with `hf download "
+            f"{repo_id}{f' --revision {revision}' if revision else ''}` into this cache (or set HF_HUB_CACHE / "
+            "HF_HOME to the cache that holds it), or set server.model to a local model folder"
         )
     return _download(repo_id, revision, named)
 

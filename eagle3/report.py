@@ -93,7 +93,8 @@ def markdown_report(run_dir: str | Path, embed_png: bool = False) -> str:
     ]
     for r in status_rows(run):
         lines.append(
-            f"| {r['stage']} | {r['status']} | {r['in']} | {r['ok']} | {r['failed']} | {r['filtered']} | {r['reasons']} |"
+            f"| {r['stage']} | {r['status']} | {r['in']} | {r['ok']} | {r['failed']} | {r['filtered']} | "
+            f"{r['reasons']} |"
         )
     errors = [f"- **{name}**: {e['error']}" for name, e in stages.items() if e.get("error")]
     if errors:
@@ -105,20 +106,33 @@ def markdown_report(run_dir: str | Path, embed_png: bool = False) -> str:
             "",
             "## Tokens",
             "",
-            f"- {tok['tokens']} tokens in {tok['ok']} samples ({tok['tokens'] // max(tok['ok'], 1)} per sample), "
-            f"{tok['supervised_tokens']} supervised ({100 * tok['supervised_tokens'] / max(tok['tokens'], 1):.1f}%), {tok['truncated_rows']} rows truncated",
-            f"- chat template vs server ids: prompt mismatch rate {_fmt(rate.get('prompt_mismatch'))}, full mismatch rate {_fmt(rate.get('full_mismatch'))}",
+            (
+                f"- {tok['tokens']} tokens in {tok['ok']} samples ({tok['tokens'] // max(tok['ok'], 1)} per sample), "
+                f"{tok['supervised_tokens']} supervised "
+                f"({100 * tok['supervised_tokens'] / max(tok['tokens'], 1):.1f}%), {tok['truncated_rows']} rows "
+                "truncated"
+            ),
+            (
+                f"- chat template vs server ids: prompt mismatch rate {_fmt(rate.get('prompt_mismatch'))}, full "
+                f"mismatch rate {_fmt(rate.get('full_mismatch'))}"
+            ),
         ]
     voc = stages.get("vocab")
     if voc:
         lines += [
-            f"- draft vocabulary: {voc['draft_vocab_size']} of {voc['target_vocab_size']} target ids"
-            f"{' (identity)' if voc.get('identity') else ''}, coverage of supervised tokens {100 * voc['coverage']:.2f}%"
+            (
+                f"- draft vocabulary: {voc['draft_vocab_size']} of {voc['target_vocab_size']} target "
+                f"ids{' (identity)' if voc.get('identity') else ''}, coverage of supervised tokens "
+                f"{100 * voc['coverage']:.2f}%"
+            )
         ]
     ext = stages.get("extract")
     if ext:
         lines += [
-            f"- hidden states: layers {ext['layer_ids']} ({ext['mode']}, {ext['backend']} backend), {ext['tokens']} tokens, {ext['bytes'] / 2**20:.1f} MiB"
+            (
+                f"- hidden states: layers {ext['layer_ids']} ({ext['mode']}, {ext['backend']} backend), "
+                f"{ext['tokens']} tokens, {ext['bytes'] / 2**20:.1f} MiB"
+            )
         ]
     train = stages.get("train")
     if train:
@@ -127,8 +141,14 @@ def markdown_report(run_dir: str | Path, embed_png: bool = False) -> str:
             "",
             "## Training",
             "",
-            f"- {train['ok']} optimizer steps, {train['tokens']} tokens in {train['seconds']} s on {train['world_size']} process(es)",
-            f"- best checkpoint by held-out expected acceptance length: step {best.get('step')} ({_fmt(best.get('acceptance_length'))})",
+            (
+                f"- {train['ok']} optimizer steps, {train['tokens']} tokens in {train['seconds']} s on "
+                f"{train['world_size']} process(es)"
+            ),
+            (
+                f"- best checkpoint by held-out expected acceptance length: step {best.get('step')} "
+                f"({_fmt(best.get('acceptance_length'))})"
+            ),
         ]
         png = run / "train" / "curves.png"
         if png.exists():
@@ -153,7 +173,8 @@ def markdown_report(run_dir: str | Path, embed_png: bool = False) -> str:
         untrained = ev.get("untrained_mean_acceptance_length") or {}
         for t, length in (ev.get("mean_acceptance_length") or {}).items():
             lines.append(
-                f"| {t} | {_fmt(length)} | {_fmt((ev.get('acceptance_rate') or {}).get(t))} | {_fmt(untrained.get(t))} |"
+                f"| {t} | {_fmt(length)} | {_fmt((ev.get('acceptance_rate') or {}).get(t))} | "
+                f"{_fmt(untrained.get(t))} |"
             )
         lines += [
             "",

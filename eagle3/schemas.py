@@ -139,7 +139,8 @@ def check_tokenizer(marker: dict, marker_path: str | Path, tokenizer_path: str, 
         return
     if now and now != made:
         raise TokenizerMismatchError(
-            f"{marker_path}: the shard was tokenized with tokenizer {marker.get('tokenizer', '?')} (hash {made}), but {stage} would read "
-            f"its ids under {tokenizer_path} (hash {now}): the tokenizer changed between stages. Run `eagle3 tokenize` again "
-            f"(or point tokenize.tokenizer / server.model back at the tokenizer the ids were made with)"
+            f"{marker_path}: the shard was tokenized with tokenizer {marker.get('tokenizer', '?')} (hash "
+            f"{made}), but {stage} would read its ids under {tokenizer_path} (hash {now}): the tokenizer changed "
+            "between stages. Run `eagle3 tokenize` again (or point tokenize.tokenizer / server.model back at "
+            "the tokenizer the ids were made with)"
         )

@@ -10,7 +10,10 @@ from tasks.export import export_task
 
 @flow(
     name="eagle3-export",
-    description="Write the best drafter checkpoint in each export.formats layout under RUN/export/ and validate each against the target.",
+    description=(
+        "Write the best drafter checkpoint in each export.formats layout under RUN/export/ and validate each against "
+        "the target."
+    ),
 )
 def export_flow(config: PipelineConfig = PipelineConfig()) -> dict:
     return export_task(config)

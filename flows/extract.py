@@ -11,7 +11,9 @@ from tasks.tokenize import shard_names
 
 @flow(
     name="eagle3-extract",
-    description="The target's auxiliary and last-layer hidden states for every tokenized sample (bf16 safetensors per shard).",
+    description=(
+        "The target's auxiliary and last-layer hidden states for every tokenized sample (bf16 safetensors per shard)."
+    ),
 )
 def extract_flow(config: PipelineConfig = PipelineConfig()) -> dict:
     shards = shard_names(config)

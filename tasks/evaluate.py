@@ -30,8 +30,9 @@ def comparison_markdown(doc: dict) -> str:
     ]
     if head.get("acceptance_length_trained") is not None:
         lines.append(
-            f"Trained drafter, {head['prompt_set']} prompts, T={head['temperature']:g}, concurrency {head['concurrency']}: "
-            f"live mean acceptance length {_fmt(head['acceptance_length_trained'])}, offline estimate (training) {_fmt(offline)}."
+            f"Trained drafter, {head['prompt_set']} prompts, T={head['temperature']:g}, concurrency "
+            f"{head['concurrency']}: live mean acceptance length {_fmt(head['acceptance_length_trained'])}, "
+            f"offline estimate (training) {_fmt(offline)}."
         )
     if offline is None:
         lines += ["", "No offline estimate: RUN/train/eval.jsonl is missing or has no acceptance_length."]

@@ -63,7 +63,10 @@ def extract_summary_task(config: PipelineConfig, results: list, the_plan) -> dic
     create_table_artifact(
         key="extract-shards",
         table=rows,
-        description=f"extract ({entry['mode']}, {entry['backend']}): layer ids {entry['layer_ids']}, {entry['tokens']} tokens, {entry['bytes'] / 2**30:.3f} GiB",
+        description=(
+            f"extract ({entry['mode']}, {entry['backend']}): layer ids {entry['layer_ids']}, {entry['tokens']} "
+            f"tokens, {entry['bytes'] / 2**30:.3f} GiB"
+        ),
     )
     return entry
 

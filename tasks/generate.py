@@ -24,9 +24,9 @@ class ShardIncomplete(RuntimeError):
 
 def _progress_line(name: str, s: dict) -> str:
     return (
-        f"{name}: done {s['done']}+{s['skipped']} on disk / {s['total']}, failed {s['failed']}, filtered {s['filtered']}, "
-        f"in flight {s['in_flight']}, {s['req_per_s']} req/s, {s['tokens_per_s']} tok/s, "
-        f"mean completion {s['mean_completion_tokens']} tokens, retries {s['retries'] or '{}'}"
+        f"{name}: done {s['done']}+{s['skipped']} on disk / {s['total']}, failed {s['failed']}, filtered "
+        f"{s['filtered']}, in flight {s['in_flight']}, {s['req_per_s']} req/s, {s['tokens_per_s']} tok/s, mean "
+        f"completion {s['mean_completion_tokens']} tokens, retries {s['retries'] or '{}'}"
     )
 
 
@@ -82,7 +82,8 @@ async def generate_shard_task(config: PipelineConfig, shard: str, target: Target
     await aupdate_progress_artifact(artifact, 100.0)
     if not result.complete and task_run.run_count <= gen.shard_retries:
         raise ShardIncomplete(
-            f"{result.shard}: {result.retryable} prompts failed with transient errors ({result.errors}); retrying resumes them"
+            f"{result.shard}: {result.retryable} prompts failed with transient errors ({result.errors}); "
+            "retrying resumes them"
         )
     return result
 
@@ -94,6 +95,9 @@ def generate_summary_task(config: PipelineConfig, shards: list[str], model: str,
     create_table_artifact(
         key="generate-errors",
         table=rows or [{"error kind": "none", "prompts": 0}],
-        description=f"generate: ok {summary['ok']}, filtered {summary['filtered']}, failed {summary['failed']} of {summary['in']}",
+        description=(
+            f"generate: ok {summary['ok']}, filtered {summary['filtered']}, failed {summary['failed']} of "
+            f"{summary['in']}"
+        ),
     )
     return stage.record(config, summary, model, server)

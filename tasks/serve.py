@@ -82,8 +82,9 @@ class Serving:
     def raise_if_lost(self, config: PipelineConfig, cause: BaseException | None = None) -> None:
         if self.lost is not None:
             raise ServerLost(
-                f"{self.stage}: the vLLM server kept exiting: server.max_restarts={config.server.max_restarts} is used up "
-                f"({self.restarts} restart(s) made); finished samples are kept and a rerun resumes. {self.lost}"
+                f"{self.stage}: the vLLM server kept exiting: server.max_restarts={config.server.max_restarts} "
+                f"is used up ({self.restarts} restart(s) made); finished samples are kept and a rerun resumes. "
+                f"{self.lost}"
             ) from cause
 
     async def run(self, work):

@@ -77,8 +77,9 @@ def train_report_task(config: PipelineConfig, entry: dict) -> dict:
     create_markdown_artifact(
         key="train-summary",
         markdown=(
-            f"**Drafter training**: {entry['ok']} optimizer steps, {entry['tokens']} tokens in {entry['seconds']} s on {entry['world_size']} process(es). "
-            f"Best checkpoint by held-out acceptance length: step {best.get('step')} ({best.get('acceptance_length', 0):.3f}). Curves: `{png}`{picture}"
+            f"**Drafter training**: {entry['ok']} optimizer steps, {entry['tokens']} tokens in "
+            f"{entry['seconds']} s on {entry['world_size']} process(es). Best checkpoint by held-out acceptance "
+            f"length: step {best.get('step')} ({best.get('acceptance_length', 0):.3f}). Curves: `{png}`{picture}"
         ),
     )
     return entry

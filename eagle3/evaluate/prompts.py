@@ -137,7 +137,10 @@ def prompt_sets(config, names: list[str]) -> dict[str, dict]:
     for name in names:
         if name == "heldout":
             prompts, info = select_prompts(run, config.train.eval_fraction, ev.num_prompts)
-            label = f"held-out split of this run's prompts (data.source {config.data.source}; train.eval_fraction {config.train.eval_fraction})"
+            label = (
+                f"held-out split of this run's prompts (data.source {config.data.source}; train.eval_fraction "
+                f"{config.train.eval_fraction})"
+            )
         else:
             exclude = training_ids(run, config.train.eval_fraction)
             prompts, info = external_prompts(

@@ -80,11 +80,13 @@ def markdown_table(doc: dict) -> str:
     if head.get("speedup_fastest_vs_fastest_none") is not None:
         lines += [
             "",
-            f"*_compiled: the same server without --enforce-eager. Headline cell: the faster trained server "
-            f"({head['fastest_trained_method']}) decodes {_f(head['speedup_fastest_vs_fastest_none'], 2, 'x')} as fast as the "
-            f"faster no-speculation server ({head['fastest_none_method']}) and "
-            f"{_f(head.get('speedup_fastest_vs_fastest_ngram'), 2, 'x')} as fast as the faster n-gram server "
-            f"({head.get('fastest_ngram_method') or 'n/a'}).",
+            (
+                "*_compiled: the same server without --enforce-eager. Headline cell: the faster trained server "
+                f"({head['fastest_trained_method']}) decodes {_f(head['speedup_fastest_vs_fastest_none'], 2, 'x')} "
+                f"as fast as the faster no-speculation server ({head['fastest_none_method']}) and "
+                f"{_f(head.get('speedup_fastest_vs_fastest_ngram'), 2, 'x')} as fast as the faster n-gram server "
+                f"({head.get('fastest_ngram_method') or 'n/a'})."
+            ),
         ]
     return "\n".join(lines)
 
@@ -109,7 +111,8 @@ def summary_line(head: dict | None) -> str | None:
     fastest = head.get("speedup_fastest_vs_fastest_none")
     if fastest is not None:
         speed.append(
-            f"fastest trained ({head['fastest_trained_method']}) {_f(fastest, 2, 'x')} vs fastest none ({head['fastest_none_method']})"
+            f"fastest trained ({head['fastest_trained_method']}) {_f(fastest, 2, 'x')} vs fastest none "
+            f"({head['fastest_none_method']})"
         )
     return (
         f"live ({where}): decode {', '.join(parts)}"

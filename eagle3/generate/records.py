@@ -49,7 +49,8 @@ class JsonlAppender:
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise RecordFileError(
-                    f"{self.path}: is a symbolic link; records are appended only to a file of the run dir's own (remove the link)"
+                    f"{self.path}: is a symbolic link; records are appended only to a file of the run dir's own "
+                    "(remove the link)"
                 ) from None
             raise
         self._fsync_every = fsync_every

@@ -90,7 +90,8 @@ def record(config: PipelineConfig, summary: dict, model: str, server: dict | Non
         error = (
             f"generate: {summary['failed']} of {summary['in']} prompts failed ({fraction:.2%}; "
             f"generation.max_failure_fraction={gen.max_failure_fraction}); errors by kind: {summary['errors']}; "
-            f"incomplete shards: {summary['incomplete_shards'] or 'none'}. Rerunning resumes: finished samples are kept."
+            f"incomplete shards: {summary['incomplete_shards'] or 'none'}. Rerunning resumes: finished samples "
+            "are kept."
         )
     reasons = {"truncated": summary["filtered"]} if summary["filtered"] else {}
     counts = StageCounts(

@@ -55,7 +55,8 @@ def resolve_layer_ids(configured: list[int] | None, num_layers: int) -> list[int
     bad = [i for i in ids if not 1 <= i <= num_layers]
     if bad:
         raise LayerIdError(
-            f"hidden_states.layer_ids {ids}: {bad} outside 1..{num_layers} (the target has {num_layers} decoder layers; vLLM numbering)"
+            f"hidden_states.layer_ids {ids}: {bad} outside 1..{num_layers} (the target has {num_layers} decoder "
+            "layers; vLLM numbering)"
         )
     return ids
 

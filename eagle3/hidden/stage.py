@@ -162,9 +162,12 @@ def check_disk(config: PipelineConfig, the_plan: Plan) -> None:
     if free < need:
         missing = sum(1 for d in the_plan.done.values() if not d)
         raise DiskSpaceError(
-            f"extract: the states of {missing} shards need {_gib(need)} ({sum(t for s, t in the_plan.tokens.items() if not the_plan.done[s])} tokens "
-            f"x 4 x {the_plan.hidden_size} x 2 bytes, +{round((DISK_MARGIN - 1) * 100)}%) but {out} has only {_gib(free)} free. "
-            'Free space, point run_dir at a larger disk, or set hidden_states.mode="online" to compute states inside training.'
+            f"extract: the states of {missing} shards need {_gib(need)} "
+            f"({sum(t for s, t in the_plan.tokens.items() if not the_plan.done[s])} tokens "
+            f"x 4 x {the_plan.hidden_size} x 2 bytes, +{round((DISK_MARGIN - 1) * 100)}%) "
+            f"but {out} has only {_gib(free)} free. "
+            'Free space, point run_dir at a larger disk, or set hidden_states.mode="online" '
+            "to compute states inside training."
         )
 
 

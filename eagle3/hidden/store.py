@@ -82,7 +82,8 @@ class StatesWriter:
         aux, last = aux.to(torch.bfloat16).contiguous().cpu(), last.to(torch.bfloat16).contiguous().cpu()
         if not (torch.isfinite(aux).all() and torch.isfinite(last).all()):
             raise StatesError(
-                f"{self.path.name}: sample {k} has non-finite hidden states (inf or nan) -- the target overflowed in this dtype"
+                f"{self.path.name}: sample {k} has non-finite hidden states (inf or nan) -- the target "
+                "overflowed in this dtype"
             )
         row = int(self.offsets[k])
         os.pwrite(self._fd, aux.view(torch.int16).numpy().tobytes(), self._starts["aux"] + row * 3 * self.hidden * 2)

@@ -243,7 +243,8 @@ def finished_requests(path: Path, key: str, logger: logging.Logger) -> dict[int,
     for record in iter_records(path, logger):
         if record.get("key") != key:
             raise SelfPromptsError(
-                f"{path}: a record of settings {record.get('key')!r} in the file of settings {key!r}; move the file aside"
+                f"{path}: a record of settings {record.get('key')!r} in the file of settings {key!r}; move the "
+                "file aside"
             )
         if "failed" not in record:
             done.setdefault(record["request"], record)
@@ -412,8 +413,10 @@ def _finish(config: PipelineConfig, plan: Plan, run: _Run, log: logging.Logger) 
         raise SelfPromptsError(error)
     if len(sel.kept) < sp.count:
         log.warning(
-            "self_prompts: only %d of %d wanted prompts passed the filters within %d requests (data.self_prompts.max_requests); "
-            "reasons: %s",
+            (
+                "self_prompts: only %d of %d wanted prompts passed the filters within %d requests "
+                "(data.self_prompts.max_requests); reasons: %s"
+            ),
             len(sel.kept),
             sp.count,
             max_requests(sp),
@@ -444,7 +447,8 @@ def _error(config: PipelineConfig, counts: StageCounts) -> str | None:
     if counts.in_ and counts.failed / counts.in_ > config.generation.max_failure_fraction:
         return (
             f"self_prompts: {counts.failed} of {counts.in_} samples failed ({counts.failed / counts.in_:.0%} > "
-            f"generation.max_failure_fraction={config.generation.max_failure_fraction}); reasons in {where}; a rerun asks them again"
+            f"generation.max_failure_fraction={config.generation.max_failure_fraction}); reasons in {where}; a "
+            "rerun asks them again"
         )
     if counts.ok == 0:
         return f"self_prompts: no prompt passed the filters ({counts.in_} samples: {counts.reasons}); see {where}"

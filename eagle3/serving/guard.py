@@ -128,7 +128,10 @@ def main(argv: list[str]) -> int:
     everyone = sorted(set(alive) | set(tree(pgid)))
     say(
         note,
-        f"the pipeline process {parent} is gone; stopping its process group {pgid} (pids {everyone}, with descendants): SIGTERM, SIGKILL after {grace:g} s",
+        (
+            f"the pipeline process {parent} is gone; stopping its process group {pgid} (pids {everyone}, with "
+            f"descendants): SIGTERM, SIGKILL after {grace:g} s"
+        ),
     )
     left = stop_tree(pgid, grace, kill_wait)
     say(note, f"process group {pgid} " + (f"still has pids {sorted(left)} after SIGKILL" if left else "stopped"))

@@ -381,7 +381,8 @@ class ManagedServer:
             leftover = self._reap()
             if leftover:
                 raise ServerError(
-                    f"vLLM server group {self._proc.pid}: pids {leftover} survived SIGKILL; not restarting on port {self.port}"
+                    f"vLLM server group {self._proc.pid}: pids {leftover} survived SIGKILL; not restarting on "
+                    f"port {self.port}"
                 )
             orphans.release(self._proc.pid)  # the old group is gone: its guard can go (_spawn guards the new one)
             atexit.unregister(self.stop_quietly)  # _spawn registers it again
@@ -605,7 +606,10 @@ class _Supervisor(threading.Thread):
         event = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "exit": how, "restarted": False}
         self.events.append(event)
         server.logger.warning(
-            "vLLM server %s exited while running (%s): restart %d of %d on the same port and key; log %s, last lines:\n%s",
+            (
+                "vLLM server %s exited while running (%s): restart %d of %d on the same port and key; log %s, last "
+                "lines:\n%s"
+            ),
             server.base_url,
             how,
             self.restarts,

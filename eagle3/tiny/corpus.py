@@ -269,7 +269,10 @@ def python_snippet(rng: random.Random) -> str:
 def other_code(rng: random.Random) -> str:
     name, key = identifier(rng), rng.choice(NOUNS)
     forms = (
-        f'```javascript\nconst {key} = {{ id: {rng.randint(1, 99)}, name: "{rng.choice(NAMES)}" }};\nconsole.log({key}.name);\n```',
+        (
+            f'```javascript\nconst {key} = {{ id: {rng.randint(1, 99)}, name: "{rng.choice(NAMES)}" }};\n'
+            f"console.log({key}.name);\n```"
+        ),
         f'{{"{key}": {rng.randint(0, 500)}, "{rng.choice(NOUNS)}": "{rng.choice(ADJECTIVES)}", "ok": true}}',
         f"```bash\nmkdir -p {key}/{name}\ncd {key} && ls -la | grep {rng.choice(NOUNS)}\n```",
         f"```sql\nSELECT {key}, COUNT(*) FROM {name} WHERE {key} > {rng.randint(0, 100)} GROUP BY {key};\n```",

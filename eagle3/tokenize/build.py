@@ -187,8 +187,9 @@ def _assemble(backend, table, texts, spans, quick, slow, fast_encodings, offset_
             out[k] = Sample(row_ids, mask, "template")
         elif not (np.array_equal(out[k].input_ids, row_ids) and np.array_equal(out[k].loss_mask, mask)):
             raise offset_free.MaskMismatch(
-                f"conversation {k} of the batch: ids or mask from token lengths differ from the tokenizer's offsets "
-                "(a bug in eagle3/tokenize/offset_free.py; set eagle3.tokenize.build.OFFSET_FREE = False to use offsets only)"
+                f"conversation {k} of the batch: ids or mask from token lengths differ from the tokenizer's "
+                "offsets (a bug in eagle3/tokenize/offset_free.py; set eagle3.tokenize.build.OFFSET_FREE = "
+                "False to use offsets only)"
             )
     for k, encoding in zip(
         missing, backend.encode_batch([texts[k] for k in missing], add_special_tokens=False) if missing else []

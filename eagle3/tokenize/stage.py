@@ -165,9 +165,10 @@ def _check_generation_settings(config: PipelineConfig, p: dict, shard: str) -> N
         meta_path = p["generations"].with_name(p["generations"].name.replace(".jsonl", ".meta.json"))
         meta = read_json(meta_path) if meta_path.exists() else {}
         raise TokenizeInputError(
-            f"{p['generations']}: made by model {meta.get('model', '?')!r} with sampling {meta.get('sampling', '?')}, but the config asks for "
-            f"model {model!r} with max_tokens={gen.max_tokens}, temperature={gen.temperature}, top_p={gen.top_p} (or another chat template): "
-            f"run `eagle3 generate` for shard {shard} (earlier records are set aside, never mixed)"
+            f"{p['generations']}: made by model {meta.get('model', '?')!r} with sampling "
+            f"{meta.get('sampling', '?')}, but the config asks for model {model!r} with "
+            f"max_tokens={gen.max_tokens}, temperature={gen.temperature}, top_p={gen.top_p} (or another chat "
+            f"template): run `eagle3 generate` for shard {shard} (earlier records are set aside, never mixed)"
         )
 
 

@@ -62,7 +62,8 @@ class Dataset:
                 (self.heldout if is_heldout(rid, eval_fraction) else self.train).append(sample)
         if not self.train:
             raise TrainDataError(
-                f"{self.run / 'tokenized'}: no training samples (all {len(self.heldout)} rows fell in the held-out split)"
+                f"{self.run / 'tokenized'}: no training samples (all {len(self.heldout)} rows fell in the "
+                "held-out split)"
             )
         if not self.heldout:  # a tiny run: hold out one sample rather than evaluate on nothing
             self.heldout.append(self.train.pop())
@@ -72,12 +73,14 @@ class Dataset:
         index = self.run / "hidden_states" / f"{stem}.index.json"
         if not (self.run / "hidden_states" / f"{stem}.done.json").exists():
             raise TrainDataError(
-                f'{self.run / "hidden_states" / stem}.safetensors: no stored states (hidden_states.mode="offline"); run `eagle3 extract`'
+                f"{self.run / 'hidden_states' / stem}.safetensors: no stored states "
+                '(hidden_states.mode="offline"); run `eagle3 extract`'
             )
         listed = json.loads(index.read_text())["ids"]
         if listed != ids:
             raise TrainDataError(
-                f"{index}: its ids differ from {self.run / 'tokenized' / shard} (extracted from an older tokenization?); run `eagle3 extract` again"
+                f"{index}: its ids differ from {self.run / 'tokenized' / shard} (extracted from an older "
+                "tokenization?); run `eagle3 extract` again"
             )
 
     def states(self, sample: Sample) -> tuple[torch.Tensor, torch.Tensor]:

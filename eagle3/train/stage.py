@@ -52,11 +52,13 @@ def layer_ids_for(config: PipelineConfig) -> list[int]:
         raise TrainInputError(f"{config.run_dir}/manifest.json has no extract stage: run `eagle3 extract` first")
     if config.hidden_states.layer_ids and list(config.hidden_states.layer_ids) != entry["layer_ids"]:
         raise TrainInputError(
-            f"hidden_states.layer_ids {config.hidden_states.layer_ids} differ from the {entry['layer_ids']} the extract stage used: run `eagle3 extract` again"
+            f"hidden_states.layer_ids {config.hidden_states.layer_ids} differ from the {entry['layer_ids']} the "
+            "extract stage used: run `eagle3 extract` again"
         )
     if entry.get("mode") != config.hidden_states.mode:
         raise TrainInputError(
-            f"hidden_states.mode is {config.hidden_states.mode!r} but the extract stage ran in {entry.get('mode')!r} mode: run `eagle3 extract` again"
+            f"hidden_states.mode is {config.hidden_states.mode!r} but the extract stage ran in "
+            f"{entry.get('mode')!r} mode: run `eagle3 extract` again"
         )
     return list(entry["layer_ids"])
 
@@ -194,7 +196,8 @@ def _run_streamed(
     except subprocess.TimeoutExpired:
         _kill_group(proc)
         raise TrainFailed(
-            f"torchrun ran past train.timeout_s={timeout_s:.0f} s and was stopped; rerun to resume from the last checkpoint"
+            f"torchrun ran past train.timeout_s={timeout_s:.0f} s and was stopped; rerun to resume from the last "
+            "checkpoint"
         ) from None
     except BaseException:
         _kill_group(proc)

@@ -118,7 +118,10 @@ def load_target_head(model_path: str) -> TargetHead:
     ]
     if missing:
         untied = (
-            " (and config.json does not tie it to the embedding: tie_word_embeddings is false or, left out, false for this architecture)"
+            (
+                " (and config.json does not tie it to the embedding: tie_word_embeddings is false or, left out, "
+                "false for this architecture)"
+            )
             if head is None and embed is not None
             else ""
         )

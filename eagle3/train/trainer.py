@@ -261,7 +261,8 @@ class Trainer:
             _append(self.run / "train" / "log.jsonl", line)
             if self.step == 1 or self.step % 10 == 0 or self.step == self.total_steps:
                 self.log(
-                    f"step {self.step}/{self.total_steps} epoch {epoch} loss {line['loss']:.4f} lr {line['lr']:.2e} {line['tokens_per_s']:.0f} tokens/s"
+                    f"step {self.step}/{self.total_steps} epoch {epoch} loss {line['loss']:.4f} lr "
+                    f"{line['lr']:.2e} {line['tokens_per_s']:.0f} tokens/s"
                 )
 
     # -- evaluation ------------------------------------------------------------------------
@@ -289,7 +290,8 @@ class Trainer:
             if self.best is None or metrics["acceptance_length"] > self.best["acceptance_length"]:
                 self.best = {"step": self.step, "acceptance_length": metrics["acceptance_length"]}
             self.log(
-                f"eval at step {self.step}: acceptance length {metrics['acceptance_length']:.3f}, accuracy {[round(a, 3) for a in metrics['accuracy']]}"
+                f"eval at step {self.step}: acceptance length {metrics['acceptance_length']:.3f}, accuracy "
+                f"{[round(a, 3) for a in metrics['accuracy']]}"
             )
         self.dist.barrier()
 

@@ -39,9 +39,14 @@ RUN_SCRIPT = textwrap.dedent("""
     src, run = sys.argv[1], sys.argv[2]
     rule = FaultRule(match="please retry me", kind="status", status=503, times=3)
     with run_fake_server(FakeConfig(rules=[rule])) as fake:
-        config = load_config(DEMO_RECIPE, [f'run_dir="{{run}}"', f'data.source="{{src}}"', "data.num_shards=2", 'server.mode="external"',
-                                    'server.model="fake-target"', f'server.urls=["{{fake.base_url}}"]', "generation.max_attempts=2",
-                                    "generation.backoff_base_s=0.05", "generation.backoff_max_s=0.1", "generation.shard_retry_delay_s=0"])
+        config = load_config(
+            DEMO_RECIPE,
+            [
+                f'run_dir="{{run}}"', f'data.source="{{src}}"', "data.num_shards=2", 'server.mode="external"',
+                'server.model="fake-target"', f'server.urls=["{{fake.base_url}}"]', "generation.max_attempts=2",
+                "generation.backoff_base_s=0.05", "generation.backoff_max_s=0.1", "generation.shard_retry_delay_s=0",
+            ],
+        )
         state = asyncio.run(small_pipeline(config, return_state=True))
     print(json.dumps({{"flow_run_id": str(state.state_details.flow_run_id), "state": state.type.value}}))
 """)

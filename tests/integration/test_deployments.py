@@ -161,8 +161,11 @@ def test_a_postgres_backed_server_runs_a_flow(tmp_path):
             [
                 VENV / "python",
                 "-c",
-                "from flows.prepare import prepare_flow; from eagle3.config import DEMO_RECIPE, load_config; "
-                f"s = prepare_flow(load_config(DEMO_RECIPE, ['run_dir=\"{tmp_path / 'run'}\"']), return_state=True); print(s.type.value)",
+                (
+                    "from flows.prepare import prepare_flow; from eagle3.config import DEMO_RECIPE, load_config; "
+                    f"s = prepare_flow(load_config(DEMO_RECIPE, ['run_dir=\"{tmp_path / 'run'}\"']), "
+                    "return_state=True); print(s.type.value)"
+                ),
             ],
             env=server.env,
             cwd=ROOT,

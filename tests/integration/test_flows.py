@@ -332,7 +332,8 @@ def test_eagle3_run_end_to_end_from_the_cli(tmp_path):
     env.pop("PREFECT_API_URL", None)
     # The whole demo (302 prompts), as `make demo` runs it (its recipe), with a draft
     # vocabulary of 1,024 of the target's 4,096 ids: the drafter must learn enough to beat an untrained one with the
-    # same vocabulary live -- which also checks vLLM maps draft ids through the exported d2t (a wrong map accepts nothing).
+    # same vocabulary live -- which also checks vLLM maps draft ids through the exported d2t
+    # (a wrong map accepts nothing).
     sets = [
         f'run_dir="{tmp_path / "run"}"',
         f'server.python="{VLLM_PYTHON}"',
@@ -377,7 +378,8 @@ def test_eagle3_run_end_to_end_from_the_cli(tmp_path):
     at_zero = {c["method"]: c for c in live["cells"] if c["temperature"] == 0.0}
     trained, untrained = at_zero["trained"], at_zero["untrained"]
     print(
-        f"live acceptance length at T=0: trained {trained['mean_acceptance_length']}, untrained {untrained['mean_acceptance_length']}"
+        f"live acceptance length at T=0: trained {trained['mean_acceptance_length']}, untrained "
+        f"{untrained['mean_acceptance_length']}"
     )
     assert trained["mean_acceptance_length"] >= untrained["mean_acceptance_length"] + 0.1, (trained, untrained)
     assert trained["counters"]["accepted_tokens"] > 2 * max(untrained["counters"]["accepted_tokens"], 1)

@@ -232,7 +232,10 @@ def partial_state(run: Path, stage: str) -> str:
     if stage == "prepare":
         return f"prompts/_SUCCESS.json {'present' if (run / 'prompts' / '_SUCCESS.json').exists() else 'absent'}"
     if stage == "generate":
-        return f"{shard_lines(run / 'generations', 'shard-?????.jsonl')} records, {len(list((run / 'generations').glob('*.done.json')))}/2 shards done"
+        return (
+            f"{shard_lines(run / 'generations', 'shard-?????.jsonl')} records, "
+            f"{len(list((run / 'generations').glob('*.done.json')))}/2 shards done"
+        )
     if stage == "tokenize":
         return f"{len(list((run / 'tokenized').glob('*.done.json')))}/2 shards done"
     if stage == "vocab":

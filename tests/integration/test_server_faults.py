@@ -200,7 +200,8 @@ def test_server_that_keeps_dying_fails_the_flow_naming_the_limit(prefect_server,
     assert len(ok) == len(set(ok)) == entry["ok"]
     assert not child_pids("fake_as_vllm.py")
     print(
-        f"flow failed {time.monotonic() - began:.1f} s after start, {time.monotonic() - killed['at']:.1f} s after the kill"
+        f"flow failed {time.monotonic() - began:.1f} s after start, {time.monotonic() - killed['at']:.1f} s "
+        "after the kill"
     )
 
 

@@ -68,7 +68,8 @@ def test_speculators_loads_the_export_exactly(tmp_path, arch, draft_ids):
     loaded, info = _load_with_speculators(folder, tmp_path / "loaded")
 
     print(
-        f"\nspeculators {info['speculators']}, transformers {info['transformers']}, torch {info['torch']}: {info['class']}"
+        f"\nspeculators {info['speculators']}, transformers {info['transformers']}, torch {info['torch']}: "
+        f"{info['class']}"
     )
     assert info["class"] == "Eagle3DraftModel"
     for name, tensor in stored.items():

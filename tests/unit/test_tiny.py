@@ -129,7 +129,10 @@ def test_unknown_arch_names_allowed_values(tmp_path):
 
 
 def test_import_is_cheap():
-    code = "import sys, eagle3.tiny; print(sorted(m for m in ('torch', 'transformers', 'tokenizers', 'prefect') if m in sys.modules))"
+    code = (
+        "import sys, eagle3.tiny; print(sorted(m for m in ('torch', 'transformers', 'tokenizers', 'prefect') if m in "
+        "sys.modules))"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=Path(__file__).parents[2]
     )

@@ -14,7 +14,13 @@ from eagle3.config import DEMO_RECIPE, load_config  # noqa: E402
 from eagle3.generate.records import JsonlAppender  # noqa: E402
 from eagle3.prepare.stage import run_prepare  # noqa: E402
 from eagle3.tokenize.build import from_template, render_ids  # noqa: E402
-from eagle3.tokenize.stage import TokenizeInputError, load_tokenizer, record, tokenize_shard, tokenizer_path  # noqa: E402
+from eagle3.tokenize.stage import (  # noqa: E402
+    TokenizeInputError,
+    load_tokenizer,
+    record,
+    tokenize_shard,
+    tokenizer_path,
+)
 from tokenize_cases import CONVERSATIONS, TEMPLATES, render_all, tokenizer_for  # noqa: E402
 
 SUPERVISED = {
@@ -274,7 +280,10 @@ def test_records_from_another_model_are_refused_by_name(tmp_path):
     (gen / "shard-00000.done.json").write_text(json.dumps({"key": "0123456789abcdef"}))
     with pytest.raises(
         TokenizeInputError,
-        match=r"made by model 'someone/other-model' .* but the config asks for model .*tiny-qwen3.*run `eagle3 generate`",
+        match=(
+            r"made by model 'someone/other-model' .* but the config asks for model .*tiny-qwen3.*run `eagle3 "
+            r"generate`"
+        ),
     ):
         run_stage(config, tok)
     assert not (Path(config.run_dir) / "tokenized" / "shard-00000.done.json").exists()
