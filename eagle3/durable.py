@@ -46,8 +46,11 @@ def writing(path: str | Path, what: str) -> Iterator[None]:
             free = f"; {shutil.disk_usage(folder).free / 2**30:.2f} GiB free there"
         except OSError:
             pass
-        raise DiskWriteError(exc.errno, f"{what}: writing {path} failed: {exc.strerror or exc}{free}. Nothing was marked complete; "
-                                        "free space (or move run_dir) and rerun to resume") from None
+        raise DiskWriteError(
+            exc.errno,
+            f"{what}: writing {path} failed: {exc.strerror or exc}{free}. Nothing was marked complete; "
+            "free space (or move run_dir) and rerun to resume",
+        ) from None
 
 
 def fsync_dir(path: Path) -> None:
@@ -217,8 +220,27 @@ def read_json(path: str | Path) -> Any:
 # - A stage folder symlinked out of the run dir therefore holds nothing remove_inside will touch:
 #   put the whole run_dir on the other disk instead.
 
-_SYSTEM_DIRS = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/media", "/mnt", "/opt", "/proc", "/root",
-                "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var")
+_SYSTEM_DIRS = (
+    "/bin",
+    "/boot",
+    "/dev",
+    "/etc",
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/media",
+    "/mnt",
+    "/opt",
+    "/proc",
+    "/root",
+    "/run",
+    "/sbin",
+    "/srv",
+    "/sys",
+    "/tmp",
+    "/usr",
+    "/var",
+)
 
 
 class UnsafeDeleteError(RuntimeError):
@@ -259,8 +281,11 @@ def remove_inside(path: str | Path, root: str | Path, *, missing_ok: bool = True
     # realpath, not abspath: "link/.." must go where the kernel goes, not where the text suggests
     target = Path(os.path.realpath(os.path.dirname(text) or ".")) / name
     if root_real not in target.parents:
-        raise UnsafeDeleteError(f"refusing to delete {path} (it is {target}): not strictly inside the run directory {root} (it is {root_real}). "
-                                "A stage folder symlinked out of the run dir is not the run's to clean: put the whole run_dir on that disk instead")
+        raise UnsafeDeleteError(
+            f"refusing to delete {path} (it is {target}): not strictly inside the run directory {root} (it is "
+            f"{root_real}). A stage folder symlinked out of the run dir is not the run's to clean: put the whole "
+            "run_dir on that disk instead"
+        )
     try:
         if not os.path.lexists(target):
             if missing_ok:

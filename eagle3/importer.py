@@ -23,8 +23,16 @@ import tempfile
 import time
 from pathlib import Path
 
+from eagle3.durable import (
+    atomic_write_json,
+    install_folder,
+    owned_prefix,
+    read_json,
+    remove_inside,
+    remove_orphaned_temporaries,
+    sha256_file,
+)
 from eagle3.tiny.build import quiet_progress
-from eagle3.durable import atomic_write_json, install_folder, owned_prefix, read_json, remove_inside, remove_orphaned_temporaries, sha256_file
 
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 DTYPES = ("bfloat16", "float16", "float32")
@@ -43,7 +51,9 @@ def find_gguf(source: str) -> Path:
     path = Path(source).expanduser()
     if path.suffix == ".gguf" or path.exists():
         if not path.is_file():
-            raise ImportModelError(f"import-model: {path} does not exist (expected a .gguf file or an installed package name)")
+            raise ImportModelError(
+                f"import-model: {path} does not exist (expected a .gguf file or an installed package name)"
+            )
         return path
     try:
         dist = importlib.metadata.distribution(source)
@@ -54,7 +64,10 @@ def find_gguf(source: str) -> Path:
         ) from None
     found = [Path(dist.locate_file(f)) for f in dist.files or () if str(f).endswith(".gguf")]
     if len(found) != 1:
-        raise ImportModelError(f"import-model: package {source!r} ships {len(found)} .gguf files ({', '.join(map(str, found)) or 'none'}); pass one by path")
+        raise ImportModelError(
+            f"import-model: package {source!r} ships {len(found)} .gguf files "
+            f"({', '.join(map(str, found)) or 'none'}); pass one by path"
+        )
     return found[0]
 
 
@@ -72,7 +85,10 @@ def gguf_facts(path: Path) -> dict:
     except (KeyError, ValueError, IndexError) as exc:
         raise ImportModelError(f"import-model: {path}: unreadable GGUF header ({exc})") from None
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ImportModelError(f"import-model: {path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        raise ImportModelError(
+            f"import-model: {path}: architecture {arch!r} is not supported (supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
     return {"architecture": arch, "parameters": int(sum(int(t.n_elements) for t in reader.tensors))}
 
 
@@ -83,7 +99,9 @@ def check_disk(out: Path, parameters: int, dtype: str) -> None:
     parent = next(p for p in [out, *out.parents] if p.exists())
     free = shutil.disk_usage(parent).free
     if free < need:
-        raise ImportModelError(f"import-model: {out} needs ~{need / 2**20:.0f} MiB, only {free / 2**20:.0f} MiB free on that disk")
+        raise ImportModelError(
+            f"import-model: {out} needs ~{need / 2**20:.0f} MiB, only {free / 2**20:.0f} MiB free on that disk"
+        )
 
 
 def _load_gguf(path: Path, dtype: str):
@@ -109,7 +127,10 @@ def _clean_copy(model, arch: str, dtype: str):
     missing, unexpected = clean.load_state_dict(model.state_dict(), strict=False)
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
     if set(missing) - tied or unexpected:
-        raise ImportModelError(f"import-model: weights do not match the config (missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]})")
+        raise ImportModelError(
+            f"import-model: weights do not match the config (missing {sorted(missing)[:5]}, unexpected "
+            f"{sorted(unexpected)[:5]})"
+        )
     if tied:
         clean.tie_weights()
     return clean.eval()
@@ -118,11 +139,18 @@ def _clean_copy(model, arch: str, dtype: str):
 def greedy_tokens(model, tokenizer, max_new_tokens: int = CHECK_TOKENS) -> list[int]:
     import torch
 
-    ids = tokenizer.apply_chat_template(CHECK_PROMPT, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    ids = tokenizer.apply_chat_template(
+        CHECK_PROMPT, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
-    return out[0, ids.shape[1]:].tolist()
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+        )
+    return out[0, ids.shape[1] :].tolist()
 
 
 def _verify(folder: Path, expected: list[int], dtype: str) -> None:
@@ -133,7 +161,10 @@ def _verify(folder: Path, expected: list[int], dtype: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, dtype)).eval()
     got = greedy_tokens(model, tokenizer, len(expected))
     if got != expected:
-        raise ImportModelError(f"import-model: the saved folder answers differently from the GGUF model (GGUF {expected}, saved {got}); nothing installed")
+        raise ImportModelError(
+            f"import-model: the saved folder answers differently from the GGUF model (GGUF {expected}, saved "
+            f"{got}); nothing installed"
+        )
 
 
 def up_to_date(out: Path, digest: str, dtype: str) -> bool:
@@ -155,7 +186,9 @@ def import_model(source: str, out_dir: str | Path, dtype: str = "bfloat16", log=
         log(f"import-model: {out} is already an import of {path.name} ({dtype}); nothing to do")
         return out
     if out.exists() and any(out.iterdir()) and not (out / MARKER).is_file():
-        raise ImportModelError(f"import-model: {out} exists and is not an earlier import; choose an empty or new folder")
+        raise ImportModelError(
+            f"import-model: {out} exists and is not an earlier import; choose an empty or new folder"
+        )
     facts = gguf_facts(path)
     check_disk(out, facts["parameters"], dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -176,18 +209,29 @@ def import_model(source: str, out_dir: str | Path, dtype: str = "bfloat16", log=
             _verify(tmp, expected, dtype)
         for f in tmp.iterdir():
             f.chmod(0o644)  # safetensors writes 0600; a model folder is read by other users' servers too
-        atomic_write_json(tmp / MARKER, {
-            "source": str(path), "source_sha256": digest, "source_bytes": path.stat().st_size, "dtype": dtype,
-            "architecture": facts["architecture"], "parameters": facts["parameters"],
-            "check_prompt": CHECK_PROMPT, "check_tokens": expected, "check_text": tokenizer.decode(expected),
-            "versions": _versions(),
-        })
+        atomic_write_json(
+            tmp / MARKER,
+            {
+                "source": str(path),
+                "source_sha256": digest,
+                "source_bytes": path.stat().st_size,
+                "dtype": dtype,
+                "architecture": facts["architecture"],
+                "parameters": facts["parameters"],
+                "check_prompt": CHECK_PROMPT,
+                "check_tokens": expected,
+                "check_text": tokenizer.decode(expected),
+                "versions": _versions(),
+            },
+        )
         install_folder(tmp, out)
     finally:
         if tmp.exists():
             remove_inside(tmp, out.parent, ignore_errors=True)
-    log(f"import-model: {path.name} -> {out} ({facts['architecture']}, {facts['parameters'] / 1e6:.1f}M parameters, {dtype}) "
-        f"in {time.monotonic() - start:.0f} s; greedy check: {tokenizer.decode(expected)!r}")
+    log(
+        f"import-model: {path.name} -> {out} ({facts['architecture']}, {facts['parameters'] / 1e6:.1f}M "
+        f"parameters, {dtype}) in {time.monotonic() - start:.0f} s; greedy check: {tokenizer.decode(expected)!r}"
+    )
     return out
 
 

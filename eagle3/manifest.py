@@ -46,7 +46,13 @@ class StageCounts:
             )
 
     def as_dict(self) -> dict[str, Any]:
-        return {"in": self.in_, "ok": self.ok, "failed": self.failed, "filtered": self.filtered, "reasons": dict(sorted(self.reasons.items()))}
+        return {
+            "in": self.in_,
+            "ok": self.ok,
+            "failed": self.failed,
+            "filtered": self.filtered,
+            "reasons": dict(sorted(self.reasons.items())),
+        }
 
 
 def versions(*packages: str) -> dict[str, str]:

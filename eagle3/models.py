@@ -55,7 +55,7 @@ def resolve_model(spec: str) -> str:
     if spec.startswith(TINY_PREFIX):
         from eagle3.tiny import ensure_tiny
 
-        return str(ensure_tiny(spec[len(TINY_PREFIX):]))
+        return str(ensure_tiny(spec[len(TINY_PREFIX) :]))
     if Path(spec).expanduser().is_dir():
         return spec
     repo_id, revision = parse_hub_id(spec)
@@ -86,7 +86,8 @@ def parse_hub_id(spec: str) -> tuple[str, str | None]:
     if not match or ".." in spec or "--" in spec or len(match["repo"]) > 96:
         raise ModelNotFoundError(
             f"model {spec!r}: no such local folder, and not a Hugging Face hub id (org/name or org/name@revision): "
-            "set server.model to a model folder or a hub id")
+            "set server.model to a model folder or a hub id"
+        )
     return match["repo"], match["rev"]
 
 
@@ -112,10 +113,11 @@ def hub_snapshot(repo_id: str, revision: str | None = None) -> Path:
     named = repo_id + (f"@{revision}" if revision else "")
     if hub_offline():
         raise ModelNotFoundError(
-            f"model {named!r} is not in the Hugging Face cache {hub_cache_dir()} and the hub is offline (HF_HUB_OFFLINE): "
-            f"download it on a connected machine with `hf download {repo_id}"
-            f"{f' --revision {revision}' if revision else ''}` into this cache (or set HF_HUB_CACHE / HF_HOME to the cache "
-            "that holds it), or set server.model to a local model folder")
+            f"model {named!r} is not in the Hugging Face cache {hub_cache_dir()} and the hub is offline "
+            "(HF_HUB_OFFLINE): download it on a connected machine with `hf download "
+            f"{repo_id}{f' --revision {revision}' if revision else ''}` into this cache (or set HF_HUB_CACHE / "
+            "HF_HOME to the cache that holds it), or set server.model to a local model folder"
+        )
     return _download(repo_id, revision, named)
 
 
@@ -141,17 +143,28 @@ def _download(repo_id: str, revision: str | None, named: str) -> Path:
         if cached is not None:
             return cached
         try:
-            folder = snapshot_download(repo_id, revision=revision, cache_dir=hub_cache_dir(), allow_patterns=MODEL_FILES,
-                                       etag_timeout=HUB_REQUEST_TIMEOUT_S)
+            folder = snapshot_download(
+                repo_id,
+                revision=revision,
+                cache_dir=hub_cache_dir(),
+                allow_patterns=MODEL_FILES,
+                etag_timeout=HUB_REQUEST_TIMEOUT_S,
+            )
         except (GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError) as exc:
-            raise ModelNotFoundError(f"model {named!r}: the hub refused it ({type(exc).__name__}): check the id, and for a "
-                                     f"gated model accept its licence and set HF_TOKEN") from exc
+            raise ModelNotFoundError(
+                f"model {named!r}: the hub refused it ({type(exc).__name__}): check the id, and for a "
+                f"gated model accept its licence and set HF_TOKEN"
+            ) from exc
         except (HfHubHTTPError, OSError) as exc:
-            raise ModelDownloadError(f"model {named!r} is not in the Hugging Face cache {hub_cache_dir()} and downloading it "
-                                     f"failed: {exc}. Run `hf download {repo_id}` or set server.model to a local folder") from exc
+            raise ModelDownloadError(
+                f"model {named!r} is not in the Hugging Face cache {hub_cache_dir()} and downloading it "
+                f"failed: {exc}. Run `hf download {repo_id}` or set server.model to a local folder"
+            ) from exc
     folder = Path(folder)
     if not (folder / "config.json").is_file():
-        raise ModelNotFoundError(f"model {named!r}: the downloaded snapshot {folder} has no config.json (not a transformers model)")
+        raise ModelNotFoundError(
+            f"model {named!r}: the downloaded snapshot {folder} has no config.json (not a transformers model)"
+        )
     return folder
 
 
@@ -189,7 +202,11 @@ def vllm_launcher(server) -> list[str]:
     (default: this interpreter, where the ``gpu`` extra installs vllm)."""
     import sys
 
-    return list(server.command) if server.command else [server.python or sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    return (
+        list(server.command)
+        if server.command
+        else [server.python or sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    )
 
 
 def vllm_args(server, model_path: str) -> list[str]:

@@ -21,7 +21,15 @@ def status_rows(run_dir: str | Path) -> list[dict]:
         raise FileNotFoundError(f"{path} does not exist: not a run directory, or no stage has finished yet")
     stages = read_manifest(run_dir).get("stages", {})
     return [
-        {"stage": name, "status": e.get("status", "ok"), "in": e["in"], "ok": e["ok"], "failed": e["failed"], "filtered": e["filtered"], "reasons": _reasons(e)}
+        {
+            "stage": name,
+            "status": e.get("status", "ok"),
+            "in": e["in"],
+            "ok": e["ok"],
+            "failed": e["failed"],
+            "filtered": e["filtered"],
+            "reasons": _reasons(e),
+        }
         for name, e in sorted(stages.items(), key=lambda kv: ORDER.index(kv[0]) if kv[0] in ORDER else len(ORDER))
     ]
 
@@ -75,46 +83,103 @@ def markdown_report(run_dir: str | Path, embed_png: bool = False) -> str:
     curves, acceptance and where every output is -- read from the run directory alone."""
     run = Path(run_dir)
     stages = read_manifest(run).get("stages", {})
-    lines = [f"# eagle3 run report: `{run.resolve()}`", "", "## Accounting", "",
-             "| stage | status | in | ok | failed | filtered | reasons (by kind) |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# eagle3 run report: `{run.resolve()}`",
+        "",
+        "## Accounting",
+        "",
+        "| stage | status | in | ok | failed | filtered | reasons (by kind) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in status_rows(run):
-        lines.append(f"| {r['stage']} | {r['status']} | {r['in']} | {r['ok']} | {r['failed']} | {r['filtered']} | {r['reasons']} |")
+        lines.append(
+            f"| {r['stage']} | {r['status']} | {r['in']} | {r['ok']} | {r['failed']} | {r['filtered']} | "
+            f"{r['reasons']} |"
+        )
     errors = [f"- **{name}**: {e['error']}" for name, e in stages.items() if e.get("error")]
     if errors:
         lines += ["", "Errors:", *errors]
     tok = stages.get("tokenize")
     if tok:
         rate = (tok.get("template_check") or {}).get("mismatch_rate") or {}
-        lines += ["", "## Tokens", "", f"- {tok['tokens']} tokens in {tok['ok']} samples ({tok['tokens'] // max(tok['ok'], 1)} per sample), "
-                  f"{tok['supervised_tokens']} supervised ({100 * tok['supervised_tokens'] / max(tok['tokens'], 1):.1f}%), {tok['truncated_rows']} rows truncated",
-                  f"- chat template vs server ids: prompt mismatch rate {_fmt(rate.get('prompt_mismatch'))}, full mismatch rate {_fmt(rate.get('full_mismatch'))}"]
+        lines += [
+            "",
+            "## Tokens",
+            "",
+            (
+                f"- {tok['tokens']} tokens in {tok['ok']} samples ({tok['tokens'] // max(tok['ok'], 1)} per sample), "
+                f"{tok['supervised_tokens']} supervised "
+                f"({100 * tok['supervised_tokens'] / max(tok['tokens'], 1):.1f}%), {tok['truncated_rows']} rows "
+                "truncated"
+            ),
+            (
+                f"- chat template vs server ids: prompt mismatch rate {_fmt(rate.get('prompt_mismatch'))}, full "
+                f"mismatch rate {_fmt(rate.get('full_mismatch'))}"
+            ),
+        ]
     voc = stages.get("vocab")
     if voc:
-        lines += [f"- draft vocabulary: {voc['draft_vocab_size']} of {voc['target_vocab_size']} target ids"
-                  f"{' (identity)' if voc.get('identity') else ''}, coverage of supervised tokens {100 * voc['coverage']:.2f}%"]
+        lines += [
+            (
+                f"- draft vocabulary: {voc['draft_vocab_size']} of {voc['target_vocab_size']} target "
+                f"ids{' (identity)' if voc.get('identity') else ''}, coverage of supervised tokens "
+                f"{100 * voc['coverage']:.2f}%"
+            )
+        ]
     ext = stages.get("extract")
     if ext:
-        lines += [f"- hidden states: layers {ext['layer_ids']} ({ext['mode']}, {ext['backend']} backend), {ext['tokens']} tokens, {ext['bytes'] / 2**20:.1f} MiB"]
+        lines += [
+            (
+                f"- hidden states: layers {ext['layer_ids']} ({ext['mode']}, {ext['backend']} backend), "
+                f"{ext['tokens']} tokens, {ext['bytes'] / 2**20:.1f} MiB"
+            )
+        ]
     train = stages.get("train")
     if train:
         best = train.get("best") or {}
-        lines += ["", "## Training", "", f"- {train['ok']} optimizer steps, {train['tokens']} tokens in {train['seconds']} s on {train['world_size']} process(es)",
-                  f"- best checkpoint by held-out expected acceptance length: step {best.get('step')} ({_fmt(best.get('acceptance_length'))})"]
+        lines += [
+            "",
+            "## Training",
+            "",
+            (
+                f"- {train['ok']} optimizer steps, {train['tokens']} tokens in {train['seconds']} s on "
+                f"{train['world_size']} process(es)"
+            ),
+            (
+                f"- best checkpoint by held-out expected acceptance length: step {best.get('step')} "
+                f"({_fmt(best.get('acceptance_length'))})"
+            ),
+        ]
         png = run / "train" / "curves.png"
         if png.exists():
             if embed_png:
                 import base64
 
-                lines += ["", f"![training curves](data:image/png;base64,{base64.b64encode(png.read_bytes()).decode()})"]
+                lines += [
+                    "",
+                    f"![training curves](data:image/png;base64,{base64.b64encode(png.read_bytes()).decode()})",
+                ]
             else:
                 lines += ["", "![training curves](train/curves.png)"]
     ev = stages.get("evaluate")
     if ev:
-        lines += ["", "## Acceptance (live, vLLM spec-decode counters)", "", "| temperature | mean acceptance length | acceptance rate | untrained drafter |", "|---|---|---|---|"]
+        lines += [
+            "",
+            "## Acceptance (live, vLLM spec-decode counters)",
+            "",
+            "| temperature | mean acceptance length | acceptance rate | untrained drafter |",
+            "|---|---|---|---|",
+        ]
         untrained = ev.get("untrained_mean_acceptance_length") or {}
         for t, length in (ev.get("mean_acceptance_length") or {}).items():
-            lines.append(f"| {t} | {_fmt(length)} | {_fmt((ev.get('acceptance_rate') or {}).get(t))} | {_fmt(untrained.get(t))} |")
-        lines += ["", f"Offline estimate from training (held-out, greedy chain): {_fmt(ev.get('offline_acceptance_length'))}"]
+            lines.append(
+                f"| {t} | {_fmt(length)} | {_fmt((ev.get('acceptance_rate') or {}).get(t))} | "
+                f"{_fmt(untrained.get(t))} |"
+            )
+        lines += [
+            "",
+            f"Offline estimate from training (held-out, greedy chain): {_fmt(ev.get('offline_acceptance_length'))}",
+        ]
         lines += _live_table(run)
     lines += ["", "## Where everything is", ""]
     for stage, rel, what in OUTPUTS:

@@ -88,17 +88,28 @@ def check_schema(path: str | Path, columns: tuple[Column, ...], what: str) -> pa
     for col in columns:
         index = schema.get_field_index(col.name)
         if index < 0:
-            raise SchemaError(f"{path}: column {col.name!r} is missing; a {what} needs it as {col.expected} "
-                              f"(found columns: {', '.join(schema.names) or 'none'})")
+            raise SchemaError(
+                f"{path}: column {col.name!r} is missing; a {what} needs it as {col.expected} "
+                f"(found columns: {', '.join(schema.names) or 'none'})"
+            )
         found = schema.field(index).type
         if not col.accepts(found):
-            raise SchemaError(f"{path}: column {col.name!r} is {found}, expected {col.expected} (the {what} schema in docs/design.md)")
+            raise SchemaError(
+                f"{path}: column {col.name!r} is {found}, expected {col.expected} (the {what} schema in docs/design.md)"
+            )
     return schema
 
 
 # -- the tokenizer between stages ------------------------------------------------------------
 
-_ID_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "special_tokens_map.json")
+_ID_FILES = (
+    "tokenizer.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "special_tokens_map.json",
+)
 
 
 def tokenizer_hash(path: str) -> str:
@@ -128,6 +139,8 @@ def check_tokenizer(marker: dict, marker_path: str | Path, tokenizer_path: str, 
         return
     if now and now != made:
         raise TokenizerMismatchError(
-            f"{marker_path}: the shard was tokenized with tokenizer {marker.get('tokenizer', '?')} (hash {made}), but {stage} would read "
-            f"its ids under {tokenizer_path} (hash {now}): the tokenizer changed between stages. Run `eagle3 tokenize` again "
-            f"(or point tokenize.tokenizer / server.model back at the tokenizer the ids were made with)")
+            f"{marker_path}: the shard was tokenized with tokenizer {marker.get('tokenizer', '?')} (hash "
+            f"{made}), but {stage} would read its ids under {tokenizer_path} (hash {now}): the tokenizer changed "
+            "between stages. Run `eagle3 tokenize` again (or point tokenize.tokenizer / server.model back at "
+            "the tokenizer the ids were made with)"
+        )

@@ -80,6 +80,9 @@ def sum_counts(paths: list[Path], size: int) -> np.ndarray:
     for p in paths:
         counts = load_file(str(p))["counts"]
         if len(counts) != size:
-            raise ValueError(f"{p}: counts cover {len(counts)} ids, the tokenizer has {size}: shards were tokenized with another tokenizer")
+            raise ValueError(
+                f"{p}: counts cover {len(counts)} ids, the tokenizer has {size}: shards were tokenized with "
+                "another tokenizer"
+            )
         total += counts
     return total

@@ -26,10 +26,26 @@ def run_vocab(config: PipelineConfig, shards: list[str], logger=None) -> dict:
     out = run / "vocab" / "draft_vocab.safetensors"
     save(vocab, out)
     draft = len(vocab.d2t)
-    log.info("vocab: %d of %d ids, coverage %.4f%s -> %s", draft, target, vocab.coverage, " (identity)" if vocab.identity else "", out)
+    log.info(
+        "vocab: %d of %d ids, coverage %.4f%s -> %s",
+        draft,
+        target,
+        vocab.coverage,
+        " (identity)" if vocab.identity else "",
+        out,
+    )
     rows = int((counts > 0).sum())
     return record_stage(
-        run, "vocab", StageCounts(rows, rows), status="ok", path=str(out), draft_vocab_size=draft, target_vocab_size=target,
-        coverage=vocab.coverage, identity=vocab.identity, supervised_tokens=int(counts.sum()), config_hash=section_hash(config.vocab),
+        run,
+        "vocab",
+        StageCounts(rows, rows),
+        status="ok",
+        path=str(out),
+        draft_vocab_size=draft,
+        target_vocab_size=target,
+        coverage=vocab.coverage,
+        identity=vocab.identity,
+        supervised_tokens=int(counts.sum()),
+        config_hash=section_hash(config.vocab),
         counted="distinct supervised token ids",
     )

@@ -1,4 +1,5 @@
-"""Flow ``eagle3-evaluate``: the exported drafter's speed and acceptance measured live in vLLM, next to the alternatives."""
+"""Flow ``eagle3-evaluate``: the exported drafter's speed and acceptance measured live in vLLM, next to the
+alternatives."""
 
 from __future__ import annotations
 
@@ -8,6 +9,12 @@ from eagle3.config import PipelineConfig
 from tasks.evaluate import evaluate_task
 
 
-@flow(name="eagle3-evaluate", description="Serve the target without speculation, with vLLM's n-gram speculator, an untrained and the trained EAGLE-3 drafter; measure decode tokens/s and acceptance on labelled prompt sets per temperature and concurrency.")
+@flow(
+    name="eagle3-evaluate",
+    description=(
+        "Serve the target without speculation, with vLLM's n-gram speculator, an untrained and the trained EAGLE-3 "
+        "drafter; measure decode tokens/s and acceptance on labelled prompt sets per temperature and concurrency."
+    ),
+)
 def evaluate_flow(config: PipelineConfig = PipelineConfig()) -> dict:
     return evaluate_task(config)

@@ -8,6 +8,12 @@ from eagle3.config import PipelineConfig
 from tasks.export import export_task
 
 
-@flow(name="eagle3-export", description="Write the best drafter checkpoint in each export.formats layout under RUN/export/ and validate each against the target.")
+@flow(
+    name="eagle3-export",
+    description=(
+        "Write the best drafter checkpoint in each export.formats layout under RUN/export/ and validate each against "
+        "the target."
+    ),
+)
 def export_flow(config: PipelineConfig = PipelineConfig()) -> dict:
     return export_task(config)

@@ -9,7 +9,12 @@ from tasks.extract import extract_shard_task, extract_summary_task, online_task,
 from tasks.tokenize import shard_names
 
 
-@flow(name="eagle3-extract", description="The target's auxiliary and last-layer hidden states for every tokenized sample (bf16 safetensors per shard).")
+@flow(
+    name="eagle3-extract",
+    description=(
+        "The target's auxiliary and last-layer hidden states for every tokenized sample (bf16 safetensors per shard)."
+    ),
+)
 def extract_flow(config: PipelineConfig = PipelineConfig()) -> dict:
     shards = shard_names(config)
     the_plan = plan_task(config, shards)
@@ -18,7 +23,10 @@ def extract_flow(config: PipelineConfig = PipelineConfig()) -> dict:
     # Bounded parallelism: one shard per target replica at a time (one replica per GPU).
     replicas, results = config.hidden_states.replicas, []
     for start in range(0, len(shards), replicas):
-        wave = shards[start: start + replicas]
-        futures = [extract_shard_task.with_options(name=f"extract-{s.removesuffix('.parquet')}").submit(config, s, the_plan, r) for r, s in enumerate(wave)]
+        wave = shards[start : start + replicas]
+        futures = [
+            extract_shard_task.with_options(name=f"extract-{s.removesuffix('.parquet')}").submit(config, s, the_plan, r)
+            for r, s in enumerate(wave)
+        ]
         results += [f.result() for f in futures]
     return extract_summary_task(config, results, the_plan)

@@ -33,15 +33,24 @@ async def generate_flow(config: PipelineConfig = PipelineConfig()) -> dict:
     out = Path(config.run_dir) / "generations"
     if shards and all(is_complete(s, out, gen, model, template) for s in shards):
         # A nightly run with no new or changed prompt: no server start, no request.
-        get_run_logger().info("generate: all %d shards complete on disk for this model, sampling and template; no server started", len(shards))
+        get_run_logger().info(
+            "generate: all %d shards complete on disk for this model, sampling and template; no server started",
+            len(shards),
+        )
         return generate_summary_task(config, [str(s) for s in shards], model)
     async with target_server(config, get_run_logger()) as serving:
         target = serving.target
         runs = [
-            _bounded(limit, lambda s=s: generate_shard_task.with_options(
-                name=f"generate-{s.stem}", timeout_seconds=stage.shard_timeout_s(rows, per_shard, gen) + outage_allowance_s(config),
-                retries=gen.shard_retries, retry_delay_seconds=gen.shard_retry_delay_s, retry_condition_fn=unless_permanent,
-            )(config, str(s), target, per_shard))
+            _bounded(
+                limit,
+                lambda s=s: generate_shard_task.with_options(
+                    name=f"generate-{s.stem}",
+                    timeout_seconds=stage.shard_timeout_s(rows, per_shard, gen) + outage_allowance_s(config),
+                    retries=gen.shard_retries,
+                    retry_delay_seconds=gen.shard_retry_delay_s,
+                    retry_condition_fn=unless_permanent,
+                )(config, str(s), target, per_shard),
+            )
             for s, rows in shards.items()
         ]
         # A managed server that is gone for good (past server.max_restarts) cancels the shards

@@ -23,18 +23,35 @@ from tasks.report import report_task
 # Stages in pipeline order; the ones not listed in BUILT are not available yet.
 STAGES = ("prepare", "generate", "tokenize", "vocab", "extract", "train", "export", "evaluate")
 BUILT = STAGES
-FLOWS = {"prepare": prepare_flow, "generate": generate_flow, "tokenize": tokenize_flow, "vocab": vocab_flow, "extract": extract_flow, "train": train_flow, "export": export_flow, "evaluate": evaluate_flow}
+FLOWS = {
+    "prepare": prepare_flow,
+    "generate": generate_flow,
+    "tokenize": tokenize_flow,
+    "vocab": vocab_flow,
+    "extract": extract_flow,
+    "train": train_flow,
+    "export": export_flow,
+    "evaluate": evaluate_flow,
+}
 
 
 def run_name() -> str:
     """'<model>-<UTC date and time>', so the runs list says what each run is."""
     config = flow_run.parameters.get("config")
-    model = config.server.model if isinstance(config, PipelineConfig) else (config or {}).get("server", {}).get("model", "tiny:qwen3")
+    model = (
+        config.server.model
+        if isinstance(config, PipelineConfig)
+        else (config or {}).get("server", {}).get("model", "tiny:qwen3")
+    )
     short = model.rstrip("/").split("/")[-1].replace(":", "-")
     return f"{short}-{datetime.datetime.now(datetime.timezone.utc):%Y%m%d-%H%M}"
 
 
-@flow(name="eagle3-pipeline", flow_run_name=run_name, description="Prompts to a trained, exported and live-evaluated EAGLE-3 drafter.")
+@flow(
+    name="eagle3-pipeline",
+    flow_run_name=run_name,
+    description="Prompts to a trained, exported and live-evaluated EAGLE-3 drafter.",
+)
 async def pipeline_flow(config: PipelineConfig = PipelineConfig()) -> dict:
     results = {"prepare": prepare_flow(config)}
     results["generate"] = await generate_flow(config)

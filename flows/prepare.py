@@ -24,7 +24,10 @@ async def _written_by_target(config: PipelineConfig, plan: Plan) -> dict | None:
     return entry
 
 
-@flow(name="eagle3-prepare", description="Load, normalise, de-duplicate and shard the prompts (or have the target write them).")
+@flow(
+    name="eagle3-prepare",
+    description="Load, normalise, de-duplicate and shard the prompts (or have the target write them).",
+)
 def prepare_flow(config: PipelineConfig = PipelineConfig()) -> PrepareResult:
     if is_self_source(config.data.source):
         plan = self_prompts_plan_task(config)
@@ -33,5 +36,8 @@ def prepare_flow(config: PipelineConfig = PipelineConfig()) -> PrepareResult:
             # are async, so they run on an event loop of their own thread.
             run_coro_as_sync(_written_by_target(config, plan), force_new_thread=True)
         else:
-            get_run_logger().info("self_prompts: %s matches these settings; no server started", config.run_dir + "/prompts/self/prompts.jsonl")
+            get_run_logger().info(
+                "self_prompts: %s matches these settings; no server started",
+                config.run_dir + "/prompts/self/prompts.jsonl",
+            )
     return prepare_task(config)

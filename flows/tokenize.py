@@ -10,7 +10,10 @@ from tasks.tokenize import shard_names, tokenize_shard_task, tokenize_summary_ta
 
 @flow(name="eagle3-tokenize", description="Input ids and loss masks per generation shard, as Parquet.")
 def tokenize_flow(config: PipelineConfig = PipelineConfig()) -> dict:
-    results = [tokenize_shard_task.with_options(name=f"tokenize-{s.removesuffix('.parquet')}")(config, s) for s in shard_names(config)]
+    results = [
+        tokenize_shard_task.with_options(name=f"tokenize-{s.removesuffix('.parquet')}")(config, s)
+        for s in shard_names(config)
+    ]
     return tokenize_summary_task(config, results)
 
 

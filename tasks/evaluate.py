@@ -22,11 +22,18 @@ def comparison_markdown(doc: dict) -> str:
 
     offline = (doc.get("offline_estimate") or {}).get("acceptance_length")
     head = doc.get("headline") or {}
-    lines = [f"**Live comparison** on `{doc['target']}`" + (f", drafter `{doc['drafter']}`" if doc.get("drafter") else ""), "",
-             markdown_table(doc), ""]
+    lines = [
+        f"**Live comparison** on `{doc['target']}`" + (f", drafter `{doc['drafter']}`" if doc.get("drafter") else ""),
+        "",
+        markdown_table(doc),
+        "",
+    ]
     if head.get("acceptance_length_trained") is not None:
-        lines.append(f"Trained drafter, {head['prompt_set']} prompts, T={head['temperature']:g}, concurrency {head['concurrency']}: "
-                     f"live mean acceptance length {_fmt(head['acceptance_length_trained'])}, offline estimate (training) {_fmt(offline)}.")
+        lines.append(
+            f"Trained drafter, {head['prompt_set']} prompts, T={head['temperature']:g}, concurrency "
+            f"{head['concurrency']}: live mean acceptance length {_fmt(head['acceptance_length_trained'])}, "
+            f"offline estimate (training) {_fmt(offline)}."
+        )
     if offline is None:
         lines += ["", "No offline estimate: RUN/train/eval.jsonl is missing or has no acceptance_length."]
     return "\n".join(lines)
@@ -39,7 +46,10 @@ def evaluate_task(config: PipelineConfig) -> dict:
 
     entry = run_evaluate(config, logger=get_run_logger())
     doc = entry["live"]
-    create_table_artifact(key="evaluate-live", table=[cell_row(c) for c in doc["cells"]],
-                          description="Decode tokens/s and acceptance per method, prompt set, temperature and concurrency (vLLM, live)")
+    create_table_artifact(
+        key="evaluate-live",
+        table=[cell_row(c) for c in doc["cells"]],
+        description="Decode tokens/s and acceptance per method, prompt set, temperature and concurrency (vLLM, live)",
+    )
     create_markdown_artifact(key="evaluate-live-vs-offline", markdown=comparison_markdown(doc))
     return {k: v for k, v in entry.items() if k != "live"}

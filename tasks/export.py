@@ -18,9 +18,17 @@ def export_task(config: PipelineConfig) -> dict:
     from eagle3.export.stage import run_export
 
     entry = run_export(config, logger=get_run_logger())
-    rows = [{"layout": layout, "status": "reused" if layout in entry["reused"] else "written", "path": path}
-            for layout, path in entry["paths"].items()]
-    rows += [{"layout": layout, "status": "skipped: " + "; ".join(reasons), "path": ""} for layout, reasons in entry["skipped"].items()]
-    create_table_artifact(key="export-layouts", table=rows,
-                          description=f"export of {entry['checkpoint']} (step {entry['step']}, chosen by {entry['chosen_by']})")
+    rows = [
+        {"layout": layout, "status": "reused" if layout in entry["reused"] else "written", "path": path}
+        for layout, path in entry["paths"].items()
+    ]
+    rows += [
+        {"layout": layout, "status": "skipped: " + "; ".join(reasons), "path": ""}
+        for layout, reasons in entry["skipped"].items()
+    ]
+    create_table_artifact(
+        key="export-layouts",
+        table=rows,
+        description=f"export of {entry['checkpoint']} (step {entry['step']}, chosen by {entry['chosen_by']})",
+    )
     return entry

@@ -21,8 +21,14 @@ def plan_task(config: PipelineConfig, shards: list[str]):
     the_plan = plan(config, shards)
     check_disk(config, the_plan)
     todo = [s for s, done in the_plan.done.items() if not done]
-    get_run_logger().info("extract: layer ids %s, hidden size %d; %d of %d shards to extract (%.2f GiB)", the_plan.layer_ids, the_plan.hidden_size,
-                          len(todo), len(shards), the_plan.bytes_needed / 2**30)
+    get_run_logger().info(
+        "extract: layer ids %s, hidden size %d; %d of %d shards to extract (%.2f GiB)",
+        the_plan.layer_ids,
+        the_plan.hidden_size,
+        len(todo),
+        len(shards),
+        the_plan.bytes_needed / 2**30,
+    )
     return the_plan
 
 
@@ -31,7 +37,14 @@ def extract_shard_task(config: PipelineConfig, shard: str, the_plan, replica: in
     from eagle3.hidden.stage import extract_shard
 
     artifact = create_progress_artifact(progress=0.0, description=f"extract {shard}")
-    result = extract_shard(config, shard, the_plan, replica, logger=get_run_logger(), progress=lambda f: update_progress_artifact(artifact, 100.0 * f))
+    result = extract_shard(
+        config,
+        shard,
+        the_plan,
+        replica,
+        logger=get_run_logger(),
+        progress=lambda f: update_progress_artifact(artifact, 100.0 * f),
+    )
     update_progress_artifact(artifact, 100.0)
     return result
 
@@ -43,9 +56,18 @@ def extract_summary_task(config: PipelineConfig, results: list, the_plan) -> dic
 
     release_extractors()
     entry = record(config, results, the_plan)
-    rows = [{"shard": r.shard, "samples": r.ok, "tokens": r.tokens, "seconds": r.seconds, "skipped": r.skipped} for r in results]
-    create_table_artifact(key="extract-shards", table=rows,
-                          description=f"extract ({entry['mode']}, {entry['backend']}): layer ids {entry['layer_ids']}, {entry['tokens']} tokens, {entry['bytes'] / 2**30:.3f} GiB")
+    rows = [
+        {"shard": r.shard, "samples": r.ok, "tokens": r.tokens, "seconds": r.seconds, "skipped": r.skipped}
+        for r in results
+    ]
+    create_table_artifact(
+        key="extract-shards",
+        table=rows,
+        description=(
+            f"extract ({entry['mode']}, {entry['backend']}): layer ids {entry['layer_ids']}, {entry['tokens']} "
+            f"tokens, {entry['bytes'] / 2**30:.3f} GiB"
+        ),
+    )
     return entry
 
 
@@ -54,5 +76,7 @@ def online_task(config: PipelineConfig, shards: list[str], the_plan) -> dict:
     from eagle3.hidden.stage import online_results, record, write_online
 
     settings = write_online(config, the_plan, shards)
-    get_run_logger().info("extract: online mode, nothing stored; training extracts layers %s per batch", settings["layer_ids"])
+    get_run_logger().info(
+        "extract: online mode, nothing stored; training extracts layers %s per batch", settings["layer_ids"]
+    )
     return record(config, online_results(config, shards, the_plan), the_plan)

@@ -17,15 +17,16 @@ from eagle3.generate.client import EndpointPool, deadline_s
 from eagle3.generate.shard import ShardResult, generate_shard
 from tasks.serve import Target, outage_wait_s, replica_events
 
+
 class ShardIncomplete(RuntimeError):
     """Some prompts of the shard failed with transient errors; a retry resumes them."""
 
 
 def _progress_line(name: str, s: dict) -> str:
     return (
-        f"{name}: done {s['done']}+{s['skipped']} on disk / {s['total']}, failed {s['failed']}, filtered {s['filtered']}, "
-        f"in flight {s['in_flight']}, {s['req_per_s']} req/s, {s['tokens_per_s']} tok/s, "
-        f"mean completion {s['mean_completion_tokens']} tokens, retries {s['retries'] or '{}'}"
+        f"{name}: done {s['done']}+{s['skipped']} on disk / {s['total']}, failed {s['failed']}, filtered "
+        f"{s['filtered']}, in flight {s['in_flight']}, {s['req_per_s']} req/s, {s['tokens_per_s']} tok/s, mean "
+        f"completion {s['mean_completion_tokens']} tokens, retries {s['retries'] or '{}'}"
     )
 
 
@@ -46,23 +47,44 @@ async def generate_shard_task(config: PipelineConfig, shard: str, target: Target
         pending.add(job)
         job.add_done_callback(pending.discard)
 
-    pool = EndpointPool(list(target.urls), os.environ.get(target.key_env), concurrency, deadline_s(gen),
-                        outage_wait_s=outage_wait_s(config), logger=logger, events=replica_events(config))
+    pool = EndpointPool(
+        list(target.urls),
+        os.environ.get(target.key_env),
+        concurrency,
+        deadline_s(gen),
+        outage_wait_s=outage_wait_s(config),
+        logger=logger,
+        events=replica_events(config),
+    )
     for url, why in target.down_at_start:
         pool.bench(url, f"did not answer when the run began ({why})")
     try:
         result = await generate_shard(
-            shard, stage.out_dir(config), gen, target.model, pool, target.template_hash,
-            logger=logger, progress=progress, concurrency=concurrency,
+            shard,
+            stage.out_dir(config),
+            gen,
+            target.model,
+            pool,
+            target.template_hash,
+            logger=logger,
+            progress=progress,
+            concurrency=concurrency,
         )
     finally:
         await pool.close()
         await asyncio.gather(*pending, return_exceptions=True)
         if pool.benched:
-            logger.warning("%s: servers benched after refusing or dropping connections (times): %s", Path(shard).name, dict(pool.benched))
+            logger.warning(
+                "%s: servers benched after refusing or dropping connections (times): %s",
+                Path(shard).name,
+                dict(pool.benched),
+            )
     await aupdate_progress_artifact(artifact, 100.0)
     if not result.complete and task_run.run_count <= gen.shard_retries:
-        raise ShardIncomplete(f"{result.shard}: {result.retryable} prompts failed with transient errors ({result.errors}); retrying resumes them")
+        raise ShardIncomplete(
+            f"{result.shard}: {result.retryable} prompts failed with transient errors ({result.errors}); "
+            "retrying resumes them"
+        )
     return result
 
 
@@ -71,7 +93,11 @@ def generate_summary_task(config: PipelineConfig, shards: list[str], model: str,
     summary = stage.summarize(config, [Path(s) for s in shards])
     rows = [{"error kind": k, "prompts": n} for k, n in sorted(summary["errors"].items(), key=lambda kv: -kv[1])]
     create_table_artifact(
-        key="generate-errors", table=rows or [{"error kind": "none", "prompts": 0}],
-        description=f"generate: ok {summary['ok']}, filtered {summary['filtered']}, failed {summary['failed']} of {summary['in']}",
+        key="generate-errors",
+        table=rows or [{"error kind": "none", "prompts": 0}],
+        description=(
+            f"generate: ok {summary['ok']}, filtered {summary['filtered']}, failed {summary['failed']} of "
+            f"{summary['in']}"
+        ),
     )
     return stage.record(config, summary, model, server)

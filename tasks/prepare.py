@@ -36,7 +36,12 @@ def self_prompts_plan_task(config: PipelineConfig) -> Plan:
     """Where a user turn starts and ends in the target's chat template (one prefix per system prompt)."""
     plan = make_plan(config)
     for turn in plan.prefixes:
-        get_run_logger().info("self_prompts: prefix %r, turn ends at %r (stop token ids %s)", turn.prefix, turn.stop, list(turn.stop_token_ids))
+        get_run_logger().info(
+            "self_prompts: prefix %r, turn ends at %r (stop token ids %s)",
+            turn.prefix,
+            turn.stop,
+            list(turn.stop_token_ids),
+        )
     return plan
 
 
@@ -45,15 +50,29 @@ async def self_prompts_task(config: PipelineConfig, target: Target, plan: Plan) 
     """Ask the served target for user turns until data.self_prompts.count pass the filters."""
     logger = get_run_logger()
     sp, gen = config.data.self_prompts, config.generation
-    pool = EndpointPool(list(target.urls), os.environ.get(target.key_env), sp.concurrency, deadline_s(gen.model_copy(update={"max_tokens": sp.max_tokens})),
-                        outage_wait_s=outage_wait_s(config), logger=logger, events=replica_events(config, "prompts"))
+    pool = EndpointPool(
+        list(target.urls),
+        os.environ.get(target.key_env),
+        sp.concurrency,
+        deadline_s(gen.model_copy(update={"max_tokens": sp.max_tokens})),
+        outage_wait_s=outage_wait_s(config),
+        logger=logger,
+        events=replica_events(config, "prompts"),
+    )
     for url, why in target.down_at_start:
         pool.bench(url, f"did not answer when the run began ({why})")
     try:
         entry = await collect(config, plan, pool, target.model, logger)
     finally:
         await pool.close()
-    rows = [{"measure": k, "value": entry[k]} for k in ("in", "ok", "failed", "filtered", "wanted", "requests_judged", "requests_asked")]
+    rows = [
+        {"measure": k, "value": entry[k]}
+        for k in ("in", "ok", "failed", "filtered", "wanted", "requests_judged", "requests_asked")
+    ]
     rows += [{"measure": f"filtered: {kind}", "value": n} for kind, n in entry["reasons"].items()]
-    await acreate_table_artifact(key="self-prompts-accounting", table=rows, description=f"self-written prompts: {entry['ok']} kept of {entry['in']} samples")
+    await acreate_table_artifact(
+        key="self-prompts-accounting",
+        table=rows,
+        description=f"self-written prompts: {entry['ok']} kept of {entry['in']} samples",
+    )
     return entry

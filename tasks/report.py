@@ -14,6 +14,9 @@ def report_task(config: PipelineConfig) -> str:
     from eagle3.report import markdown_report, write_report
 
     path = write_report(config.run_dir)
-    create_markdown_artifact(key="pipeline-report", markdown=markdown_report(config.run_dir, embed_png=True),
-                             description=f"eagle3 run report ({path})")
+    create_markdown_artifact(
+        key="pipeline-report",
+        markdown=markdown_report(config.run_dir, embed_png=True),
+        description=f"eagle3 run report ({path})",
+    )
     return str(path)

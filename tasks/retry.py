@@ -11,24 +11,26 @@ Classes are named, not imported, so this module loads without torch or the stage
 
 from __future__ import annotations
 
-PERMANENT = frozenset({
-    "eagle3.config.ConfigError",
-    "eagle3.durable.DiskWriteError",
-    "eagle3.durable.UnsafeDeleteError",
-    "eagle3.schemas.SchemaError",
-    "eagle3.schemas.TokenizerMismatchError",
-    "eagle3.manifest.AccountingError",
-    "eagle3.models.ModelNotFoundError",
-    "eagle3.generate.records.RecordFileError",
-    "eagle3.tokenize.stage.TokenizeInputError",
-    "eagle3.hidden.errors.ExtractInputError",
-    "eagle3.hidden.errors.DiskSpaceError",
-    "eagle3.hidden.errors.LayerIdError",
-    "eagle3.hidden.errors.StatesError",
-    "eagle3.train.stage.TrainInputError",
-    "eagle3.train.stage.TrainDataError",
-    "eagle3.train.target.TargetWeightsError",
-})
+PERMANENT = frozenset(
+    {
+        "eagle3.config.ConfigError",
+        "eagle3.durable.DiskWriteError",
+        "eagle3.durable.UnsafeDeleteError",
+        "eagle3.schemas.SchemaError",
+        "eagle3.schemas.TokenizerMismatchError",
+        "eagle3.manifest.AccountingError",
+        "eagle3.models.ModelNotFoundError",
+        "eagle3.generate.records.RecordFileError",
+        "eagle3.tokenize.stage.TokenizeInputError",
+        "eagle3.hidden.errors.ExtractInputError",
+        "eagle3.hidden.errors.DiskSpaceError",
+        "eagle3.hidden.errors.LayerIdError",
+        "eagle3.hidden.errors.StatesError",
+        "eagle3.train.stage.TrainInputError",
+        "eagle3.train.stage.TrainDataError",
+        "eagle3.train.target.TargetWeightsError",
+    }
+)
 
 
 def is_permanent(exc: BaseException) -> bool:

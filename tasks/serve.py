@@ -82,8 +82,9 @@ class Serving:
     def raise_if_lost(self, config: PipelineConfig, cause: BaseException | None = None) -> None:
         if self.lost is not None:
             raise ServerLost(
-                f"{self.stage}: the vLLM server kept exiting: server.max_restarts={config.server.max_restarts} is used up "
-                f"({self.restarts} restart(s) made); finished samples are kept and a rerun resumes. {self.lost}"
+                f"{self.stage}: the vLLM server kept exiting: server.max_restarts={config.server.max_restarts} "
+                f"is used up ({self.restarts} restart(s) made); finished samples are kept and a rerun resumes. "
+                f"{self.lost}"
             ) from cause
 
     async def run(self, work):
@@ -129,9 +130,16 @@ async def _managed(config: PipelineConfig, logger, folder: str) -> AsyncIterator
     # reads); requests and records use served_name's id (see eagle3/models.py).
     name = served_name(server.model, model_path, server.served_model_name)
     managed = ManagedServer(
-        command=vllm_launcher(server), model=model_path, served_model_name=name, host=server.host,
-        extra_args=vllm_args(server, model_path), env=dict(server.env), log_path=Path(config.run_dir) / folder / "server.log",
-        startup_timeout_s=server.startup_timeout_s, stop_grace_s=server.stop_grace_s, logger=logger,
+        command=vllm_launcher(server),
+        model=model_path,
+        served_model_name=name,
+        host=server.host,
+        extra_args=vllm_args(server, model_path),
+        env=dict(server.env),
+        log_path=Path(config.run_dir) / folder / "server.log",
+        startup_timeout_s=server.startup_timeout_s,
+        stop_grace_s=server.stop_grace_s,
+        logger=logger,
     )
     try:
         await asyncio.to_thread(managed.start)
@@ -139,11 +147,19 @@ async def _managed(config: PipelineConfig, logger, folder: str) -> AsyncIterator
         os.environ[MANAGED_KEY_ENV] = managed.api_key
         # The caller reads Serving.lost: a server gone for good (past server.max_restarts) is
         # reported after the stage's accounting is written, not instead of it.
-        yield Serving(Target((managed.base_url,), MANAGED_KEY_ENV, name, template_hash(model_path)), managed, events=replica_events(config, folder),
-                      stage=STAGE_OF_FOLDER.get(folder, folder))
+        yield Serving(
+            Target((managed.base_url,), MANAGED_KEY_ENV, name, template_hash(model_path)),
+            managed,
+            events=replica_events(config, folder),
+            stage=STAGE_OF_FOLDER.get(folder, folder),
+        )
         if managed.restarts:
-            logger.warning("the vLLM server was restarted %d time(s) during this flow (server.max_restarts=%d): %s",
-                           managed.restarts, server.max_restarts, managed.restart_events)
+            logger.warning(
+                "the vLLM server was restarted %d time(s) during this flow (server.max_restarts=%d): %s",
+                managed.restarts,
+                server.max_restarts,
+                managed.restart_events,
+            )
     finally:
         os.environ.pop(MANAGED_KEY_ENV, None)
         await asyncio.to_thread(managed.stop)
@@ -162,9 +178,14 @@ async def _external(config: PipelineConfig, logger, folder: str) -> AsyncIterato
     if not healthy:
         raise RuntimeError(f"no replica of {server.urls} answered /health and /v1/models: {bad}")
     if bad:
-        logger.warning("%d of %d replicas are benched from the start and probed until they answer", len(bad), len(server.urls))
+        logger.warning(
+            "%d of %d replicas are benched from the start and probed until they answer", len(bad), len(server.urls)
+        )
     down = tuple((url, bad[url]) for url in server.urls if url in bad)
-    yield Serving(Target(tuple(server.urls), server.api_key_env, server.served_model_name or server.model, "", down), events=replica_events(config, folder))
+    yield Serving(
+        Target(tuple(server.urls), server.api_key_env, server.served_model_name or server.model, "", down),
+        events=replica_events(config, folder),
+    )
 
 
 STAGE_OF_FOLDER = {"generations": "generate", "prompts": "prepare"}

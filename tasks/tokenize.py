@@ -26,9 +26,24 @@ def tokenize_summary_task(config: PipelineConfig, results: list) -> dict:
     from eagle3.tokenize.stage import record, tokenizer_path
 
     entry = record(config, results, tokenizer_path(config))
-    rows = [{"shard": r.shard, "in": r.in_, "ok": r.ok, "filtered": r.filtered, "tokens": r.tokens, "supervised": r.supervised,
-             "truncated": r.truncated, "template mismatches": f"{r.template_check['full_mismatch']}/{r.template_check['checked']}"} for r in results]
-    create_table_artifact(key="tokenize-shards", table=rows, description=f"tokenize: {entry['ok']} rows, {entry['supervised_tokens']} supervised tokens")
+    rows = [
+        {
+            "shard": r.shard,
+            "in": r.in_,
+            "ok": r.ok,
+            "filtered": r.filtered,
+            "tokens": r.tokens,
+            "supervised": r.supervised,
+            "truncated": r.truncated,
+            "template mismatches": f"{r.template_check['full_mismatch']}/{r.template_check['checked']}",
+        }
+        for r in results
+    ]
+    create_table_artifact(
+        key="tokenize-shards",
+        table=rows,
+        description=f"tokenize: {entry['ok']} rows, {entry['supervised_tokens']} supervised tokens",
+    )
     return entry
 
 
@@ -39,9 +54,11 @@ def vocab_task(config: PipelineConfig, shards: list[str]) -> dict:
     entry = run_vocab(config, shards, logger=get_run_logger())
     create_markdown_artifact(
         key="draft-vocab",
-        markdown=(f"**Draft vocabulary**: {entry['draft_vocab_size']} of {entry['target_vocab_size']} target ids "
-                  f"({'identity' if entry['identity'] else 'top supervised tokens'}); coverage of supervised tokens "
-                  f"**{100 * entry['coverage']:.2f}%**; written to `{entry['path']}`"),
+        markdown=(
+            f"**Draft vocabulary**: {entry['draft_vocab_size']} of {entry['target_vocab_size']} target ids "
+            f"({'identity' if entry['identity'] else 'top supervised tokens'}); coverage of supervised tokens "
+            f"**{100 * entry['coverage']:.2f}%**; written to `{entry['path']}`"
+        ),
     )
     return entry
 

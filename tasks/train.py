@@ -11,14 +11,21 @@ import json
 from pathlib import Path
 
 from prefect import get_run_logger, task
-from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
 from prefect.cache_policies import NO_CACHE
 
 from eagle3.config import PipelineConfig
 from tasks.retry import unless_permanent
 
 
-@task(name="train-drafter", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=10, retry_condition_fn=unless_permanent)
+@task(
+    name="train-drafter", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=10, retry_condition_fn=unless_permanent
+)
 def train_task(config: PipelineConfig, shards: list[str]) -> dict:
     """A retry resumes from the last checkpoint (the worker reads checkpoints/latest.json)."""
     from eagle3.train.stage import STEP_LINE, run_train
@@ -40,15 +47,39 @@ def train_report_task(config: PipelineConfig, entry: dict) -> dict:
     from eagle3.train.plots import plot_curves
 
     run = Path(config.run_dir) / "train"
-    evals = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines() if x.strip()] if (run / "eval.jsonl").exists() else []
+    evals = (
+        [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines() if x.strip()]
+        if (run / "eval.jsonl").exists()
+        else []
+    )
     png = plot_curves(run / "log.jsonl", run / "eval.jsonl", run / "curves.png")
-    rows = [{"step": e["step"], "epoch": e["epoch"], "acceptance length": round(e["acceptance_length"], 4),
-             **{f"acc@{k}": round(a, 4) for k, a in enumerate(e["accuracy"])}} for e in evals]
+    rows = [
+        {
+            "step": e["step"],
+            "epoch": e["epoch"],
+            "acceptance length": round(e["acceptance_length"], 4),
+            **{f"acc@{k}": round(a, 4) for k, a in enumerate(e["accuracy"])},
+        }
+        for e in evals
+    ]
     if rows:
-        create_table_artifact(key="train-eval", table=rows, description="Held-out evaluation: per-step accuracy and expected acceptance length of a K-token chain")
+        create_table_artifact(
+            key="train-eval",
+            table=rows,
+            description="Held-out evaluation: per-step accuracy and expected acceptance length of a K-token chain",
+        )
     best = entry.get("best") or {}
-    picture = f"\n\n![training curves](data:image/png;base64,{base64.b64encode(Path(png).read_bytes()).decode()})" if png else ""
-    create_markdown_artifact(key="train-summary", markdown=(
-        f"**Drafter training**: {entry['ok']} optimizer steps, {entry['tokens']} tokens in {entry['seconds']} s on {entry['world_size']} process(es). "
-        f"Best checkpoint by held-out acceptance length: step {best.get('step')} ({best.get('acceptance_length', 0):.3f}). Curves: `{png}`{picture}"))
+    picture = (
+        f"\n\n![training curves](data:image/png;base64,{base64.b64encode(Path(png).read_bytes()).decode()})"
+        if png
+        else ""
+    )
+    create_markdown_artifact(
+        key="train-summary",
+        markdown=(
+            f"**Drafter training**: {entry['ok']} optimizer steps, {entry['tokens']} tokens in "
+            f"{entry['seconds']} s on {entry['world_size']} process(es). Best checkpoint by held-out acceptance "
+            f"length: step {best.get('step')} ({best.get('acceptance_length', 0):.3f}). Curves: `{png}`{picture}"
+        ),
+    )
     return entry

@@ -19,7 +19,9 @@ DEMO_RECIPE = ROOT / "recipes" / "tiny-demo.toml"  # the demo recipe: tests star
 
 def pytest_configure(config):
     # Registered here, not in pyproject.toml: that file keys the .venv rebuild.
-    config.addinivalue_line("markers", "speculators: needs the optional .venv-speculators (`make test-speculators`); skipped without it")
+    config.addinivalue_line(
+        "markers", "speculators: needs the optional .venv-speculators (`make test-speculators`); skipped without it"
+    )
 
 
 @pytest.fixture(scope="session")

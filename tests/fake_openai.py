@@ -151,8 +151,24 @@ EOS, IM_START, THINK_START, THINK_END = 2, 1, 3, 4
 ROLE_IDS = {"system": 5, "user": 6, "assistant": 7, "tool": 8}
 FIRST_WORD = 16
 VOCAB_SIZE = 4096
-_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "system", "user", "assistant",
-            "tool", "\n", ".", ",", "?", "!", ":", "\n\n"]
+_SPECIAL = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<think>",
+    "</think>",
+    "system",
+    "user",
+    "assistant",
+    "tool",
+    "\n",
+    ".",
+    ",",
+    "?",
+    "!",
+    ":",
+    "\n\n",
+]
 _POOL_SIZE = 1 << 17
 
 
@@ -160,8 +176,9 @@ _POOL_SIZE = 1 << 17
 def vocabulary() -> list[str]:
     """The fake tokenizer: 16 special/punctuation pieces, then 4080 two-syllable words."""
     syllables = [c + v for c in "bcdfghklmnprstvz" for v in "aeiou"]
-    words = [("" if k % 7 == 0 else " ") + syllables[k % 80] + syllables[k // 80]
-             for k in range(VOCAB_SIZE - FIRST_WORD)]
+    words = [
+        ("" if k % 7 == 0 else " ") + syllables[k % 80] + syllables[k // 80] for k in range(VOCAB_SIZE - FIRST_WORD)
+    ]
     return _SPECIAL + words
 
 
@@ -181,7 +198,7 @@ def _pool_slice(offset: int, n: int) -> tuple[list[int], str]:
         reps = -(-n // _POOL_SIZE)
         return (ids * reps)[:n], decode((ids * reps)[:n])
     offset %= _POOL_SIZE - n + 1
-    return ids[offset:offset + n], text[starts[offset]:starts[offset + n]]
+    return ids[offset : offset + n], text[starts[offset] : starts[offset + n]]
 
 
 def decode(ids: Sequence[int]) -> str:
@@ -243,7 +260,7 @@ def make_prompt(messages: list[dict], seed: int = 0) -> Prompt:
 
 def _uniforms(digest: bytes) -> list[float]:
     """Four uniforms in (0, 1) from a 32-byte digest."""
-    return [(int.from_bytes(digest[i:i + 8], "little") + 0.5) / 2**64 for i in range(0, 32, 8)]
+    return [(int.from_bytes(digest[i : i + 8], "little") + 0.5) / 2**64 for i in range(0, 32, 8)]
 
 
 @dataclass(frozen=True)
@@ -320,17 +337,47 @@ def _json(obj: Any) -> bytes:
 def chat_body(cfg: FakeConfig, request_id: str, prompt_ids: list[int], comp: Completion, return_ids: bool) -> dict:
     """`ChatCompletionResponse.model_dump()` of vLLM 0.32 (chat_completion/protocol.py, serving.py)."""
     n_prompt, n_out = len(prompt_ids), len(comp.token_ids)
-    message = {"role": "assistant", "content": comp.content, "refusal": None, "annotations": None, "audio": None,
-               "function_call": None, "reasoning": comp.reasoning}
-    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": comp.finish_reason,
-              "stop_reason": None, "token_ids": comp.token_ids if return_ids else None, "routed_experts": None}
-    usage = {"prompt_tokens": n_prompt, "total_tokens": n_prompt + n_out, "completion_tokens": n_out,
-             "prompt_tokens_details": None,
-             "completion_tokens_details": {"reasoning_tokens": comp.reasoning_tokens} if cfg.reasoning else None}
-    return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": cfg.model,
-            "choices": [choice], "service_tier": None, "system_fingerprint": None, "usage": usage,
-            "prompt_logprobs": None, "prompt_token_ids": prompt_ids if return_ids else None, "prompt_text": None,
-            "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
+    message = {
+        "role": "assistant",
+        "content": comp.content,
+        "refusal": None,
+        "annotations": None,
+        "audio": None,
+        "function_call": None,
+        "reasoning": comp.reasoning,
+    }
+    choice = {
+        "index": 0,
+        "message": message,
+        "logprobs": None,
+        "finish_reason": comp.finish_reason,
+        "stop_reason": None,
+        "token_ids": comp.token_ids if return_ids else None,
+        "routed_experts": None,
+    }
+    usage = {
+        "prompt_tokens": n_prompt,
+        "total_tokens": n_prompt + n_out,
+        "completion_tokens": n_out,
+        "prompt_tokens_details": None,
+        "completion_tokens_details": {"reasoning_tokens": comp.reasoning_tokens} if cfg.reasoning else None,
+    }
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": cfg.model,
+        "choices": [choice],
+        "service_tier": None,
+        "system_fingerprint": None,
+        "usage": usage,
+        "prompt_logprobs": None,
+        "prompt_token_ids": prompt_ids if return_ids else None,
+        "prompt_text": None,
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "metrics": None,
+    }
 
 
 def completion_choice(cfg: FakeConfig, request: dict, prompt: Prompt, k: int) -> tuple[str, str, str | None, list[int]]:
@@ -341,15 +388,17 @@ def completion_choice(cfg: FakeConfig, request: dict, prompt: Prompt, k: int) ->
         base = seed if seed is not None else int.from_bytes(prompt.digest[:4], "little")
         text = cfg.completion_script[(base + k) % len(cfg.completion_script)]
     else:
-        sub = make_prompt([{"role": "user", "content": prompt.last_user}, {"role": "choice", "content": f"{seed}:{k}"}], cfg.seed)
+        sub = make_prompt(
+            [{"role": "user", "content": prompt.last_user}, {"role": "choice", "content": f"{seed}:{k}"}], cfg.seed
+        )
         text = _pool_slice(int(_uniforms(sub.digest)[3] * _POOL_SIZE), natural_length(cfg, sub, max_tokens))[1]
     stops = request.get("stop") or []
     stops = [stops] if isinstance(stops, str) else stops
     hits = sorted((text.find(s), s) for s in stops if s and s in text)
     if hits:
-        text, finish, stop_reason = text[:hits[0][0]], "stop", hits[0][1]
+        text, finish, stop_reason = text[: hits[0][0]], "stop", hits[0][1]
     elif len(encode_text(text)) > max_tokens:
-        text, finish, stop_reason = text.encode()[:4 * max_tokens].decode(errors="ignore"), "length", None
+        text, finish, stop_reason = text.encode()[: 4 * max_tokens].decode(errors="ignore"), "length", None
     else:
         finish, stop_reason = "stop", None
     return text, finish, stop_reason, encode_text(text)
@@ -358,20 +407,50 @@ def completion_choice(cfg: FakeConfig, request: dict, prompt: Prompt, k: int) ->
 def completion_body(cfg: FakeConfig, prompt: Prompt, choices: list[tuple], return_ids: bool) -> dict:
     """`CompletionResponse.model_dump()` of vLLM 0.32 (completion/protocol.py)."""
     prompt_ids = encode_text(prompt.last_user)
-    out = [{"index": k, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": stop,
-            "token_ids": ids if return_ids else None, "prompt_logprobs": None,
-            "prompt_token_ids": prompt_ids if return_ids and k == 0 else None, "routed_experts": None}
-           for k, (text, finish, stop, ids) in enumerate(choices)]
+    out = [
+        {
+            "index": k,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": finish,
+            "stop_reason": stop,
+            "token_ids": ids if return_ids else None,
+            "prompt_logprobs": None,
+            "prompt_token_ids": prompt_ids if return_ids and k == 0 else None,
+            "routed_experts": None,
+        }
+        for k, (text, finish, stop, ids) in enumerate(choices)
+    ]
     n_out = sum(len(c[3]) for c in choices)
-    usage = {"prompt_tokens": len(prompt_ids), "total_tokens": len(prompt_ids) + n_out, "completion_tokens": n_out,
-             "prompt_tokens_details": None}
-    return {"id": f"cmpl-{os.urandom(8).hex()}", "object": "text_completion", "created": int(time.time()),
-            "model": cfg.model, "choices": out, "service_tier": None, "system_fingerprint": None, "usage": usage,
-            "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
+    usage = {
+        "prompt_tokens": len(prompt_ids),
+        "total_tokens": len(prompt_ids) + n_out,
+        "completion_tokens": n_out,
+        "prompt_tokens_details": None,
+    }
+    return {
+        "id": f"cmpl-{os.urandom(8).hex()}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": cfg.model,
+        "choices": out,
+        "service_tier": None,
+        "system_fingerprint": None,
+        "usage": usage,
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "metrics": None,
+    }
 
 
-_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 422: "UnprocessableEntityError",
-                500: "InternalServerError", 501: "NotImplementedError", 503: "ServiceUnavailableError"}
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    422: "UnprocessableEntityError",
+    500: "InternalServerError",
+    501: "NotImplementedError",
+    503: "ServiceUnavailableError",
+}
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
@@ -383,21 +462,41 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
 def too_long_body(cfg: FakeConfig, n_chars: int) -> dict:
     """vLLM's renderers/params.py `_text_len_check` message, raised as a VLLMValidationError."""
     max_tokens = cfg.max_prompt_chars // 4
-    message = (f"This model's maximum context length is {cfg.max_model_len} tokens. However, your prompt contains "
-               f"{n_chars} characters (more than {cfg.max_prompt_chars} characters, which is the upper bound for "
-               f"{max_tokens} input tokens). Please reduce the length of the input prompt. "
-               f"(parameter=input_text, value={n_chars})")
+    message = (
+        f"This model's maximum context length is {cfg.max_model_len} tokens. However, your prompt contains "
+        f"{n_chars} characters (more than {cfg.max_prompt_chars} characters, which is the upper bound for "
+        f"{max_tokens} input tokens). Please reduce the length of the input prompt. "
+        f"(parameter=input_text, value={n_chars})"
+    )
     return error_body(400, message, "input_text")
 
 
 def models_body(cfg: FakeConfig) -> dict:
     now = int(time.time())
-    permission = {"id": f"modelperm-{os.urandom(8).hex()}", "object": "model_permission", "created": now,
-                  "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
-                  "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
-                  "organization": "*", "group": None, "is_blocking": False}
-    card = {"id": cfg.model, "object": "model", "created": now, "owned_by": "vllm", "root": cfg.model,
-            "parent": None, "max_model_len": cfg.max_model_len, "permission": [permission]}
+    permission = {
+        "id": f"modelperm-{os.urandom(8).hex()}",
+        "object": "model_permission",
+        "created": now,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
+    card = {
+        "id": cfg.model,
+        "object": "model",
+        "created": now,
+        "owned_by": "vllm",
+        "root": cfg.model,
+        "parent": None,
+        "max_model_len": cfg.max_model_len,
+        "permission": [permission],
+    }
     return {"object": "list", "data": [card]}
 
 
@@ -542,8 +641,10 @@ class FakeApp:
             return self._bad_request(f"{param} must be at least 1, got {max_tokens}.", "invalid_request")
         if max_tokens is not None and max_tokens > self.cfg.max_model_len:  # renderers/params.py __post_init__
             self.stats.rejected["max_tokens_too_large"] += 1
-            message = (f"{param}={max_tokens} cannot be greater than max_model_len={self.cfg.max_model_len}. "
-                       f"Please request fewer output tokens. (parameter={param}, value={max_tokens})")
+            message = (
+                f"{param}={max_tokens} cannot be greater than max_model_len={self.cfg.max_model_len}. "
+                f"Please request fewer output tokens. (parameter={param}, value={max_tokens})"
+            )
             return _json_reply(400, error_body(400, message, param))
         return request, max_tokens
 
@@ -586,15 +687,24 @@ class FakeApp:
         if isinstance(request, Reply):
             return request
         if not isinstance(request, dict) or not isinstance(request.get("prompt"), str):
-            return self._bad_request("1 validation error: prompt: a string is required by the fake server", "invalid_request")
+            return self._bad_request(
+                "1 validation error: prompt: a string is required by the fake server", "invalid_request"
+            )
         if request.get("model") not in (None, self.cfg.model):
             self.stats.rejected["unknown_model"] += 1
-            return _json_reply(404, error_body(404, f"The model `{request['model']}` does not exist. Valid aliases: {self.cfg.model}.", "model"))
+            return _json_reply(
+                404,
+                error_body(
+                    404, f"The model `{request['model']}` does not exist. Valid aliases: {self.cfg.model}.", "model"
+                ),
+            )
         if request.get("stream"):
             return self._bad_request("stream=true is not supported by the fake server", "stream")
         n, max_tokens = request.get("n") or 1, request.get("max_tokens") or 16  # vLLM's CompletionRequest default
         if not isinstance(n, int) or n < 1 or not isinstance(max_tokens, int) or max_tokens < 1:
-            return self._bad_request(f"n and max_tokens must be positive integers, got {n!r} and {max_tokens!r}", "invalid_request")
+            return self._bad_request(
+                f"n and max_tokens must be positive integers, got {n!r} and {max_tokens!r}", "invalid_request"
+            )
         return request
 
     def completions(self, headers: dict[str, str], body: bytes) -> Reply | str | Awaitable:
@@ -820,8 +930,8 @@ class HttpConnection(asyncio.Protocol):
             return None
         if len(self.buffer) < end + 4 + length:
             return None
-        body = bytes(self.buffer[end + 4:end + 4 + length])
-        del self.buffer[:end + 4 + length]
+        body = bytes(self.buffer[end + 4 : end + 4 + length])
+        del self.buffer[: end + 4 + length]
         connection = headers.get("connection", "").lower()
         keep_alive = "close" not in connection and (version != "HTTP/1.0" or "keep-alive" in connection)
         return method, target, headers, body, keep_alive
@@ -845,8 +955,9 @@ async def serve(cfg: FakeConfig, host: str, port: int, stop: asyncio.Future, on_
     app = FakeApp(cfg)
     connections: set[HttpConnection] = set()
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: HttpConnection(app, connections), host, port, backlog=4096,
-                                      reuse_address=True)
+    server = await loop.create_server(
+        lambda: HttpConnection(app, connections), host, port, backlog=4096, reuse_address=True
+    )
     if on_ready is not None:
         on_ready(server.sockets[0].getsockname()[1])
     try:
@@ -973,10 +1084,21 @@ def _stop_process(proc: subprocess.Popen, grace_s: float) -> None:
 
 
 @contextlib.contextmanager
-def _in_process(cfg: FakeConfig, host: str, port: int, startup_timeout_s: float,
-                grace_s: float) -> Iterator[FakeServer]:
-    cmd = [sys.executable, os.path.abspath(__file__), "--config", cfg.to_json(), "--host", host, "--port", str(port),
-           "--parent-pid", str(os.getpid())]
+def _in_process(
+    cfg: FakeConfig, host: str, port: int, startup_timeout_s: float, grace_s: float
+) -> Iterator[FakeServer]:
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--config",
+        cfg.to_json(),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--parent-pid",
+        str(os.getpid()),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True)
     try:
         server = FakeServer(cfg, _read_port(proc, startup_timeout_s), host, pid=proc.pid)
@@ -987,9 +1109,15 @@ def _in_process(cfg: FakeConfig, host: str, port: int, startup_timeout_s: float,
 
 
 @contextlib.contextmanager
-def run_fake_server(config: FakeConfig | None = None, port: int = 0, *, in_thread: bool = True,
-                    host: str = "127.0.0.1", startup_timeout_s: float = 20.0, grace_s: float = 5.0,
-                    ) -> Iterator[FakeServer]:
+def run_fake_server(
+    config: FakeConfig | None = None,
+    port: int = 0,
+    *,
+    in_thread: bool = True,
+    host: str = "127.0.0.1",
+    startup_timeout_s: float = 20.0,
+    grace_s: float = 5.0,
+) -> Iterator[FakeServer]:
     """Start the fake server (port 0: a free one), wait for /health, yield it, stop it on exit.
 
     in_thread=True: a thread of this process (unit tests). in_thread=False: its own process, so a

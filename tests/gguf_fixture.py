@@ -15,9 +15,15 @@ from pathlib import Path
 import numpy as np
 
 LAYER_NAMES = {
-    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
 }
 
 
@@ -63,7 +69,11 @@ def _tokenizer(writer, folder: Path, vocab_size: int) -> None:
     writer.add_eos_token_id(config["eos_token_id"])
     writer.add_pad_token_id(config["pad_token_id"])
     writer.add_add_bos_token(False)
-    template = (folder / "chat_template.jinja").read_text() if (folder / "chat_template.jinja").exists() else tcfg.get("chat_template")
+    template = (
+        (folder / "chat_template.jinja").read_text()
+        if (folder / "chat_template.jinja").exists()
+        else tcfg.get("chat_template")
+    )
     writer.add_chat_template(template)
 
 

@@ -26,11 +26,21 @@ def make_run(tmp_path: Path, shards=(LENGTHS, (12, 30)), *sets: str):
     for s, lengths in enumerate(shards):
         name = f"shard-{s:05d}.parquet"
         seqs = samples(lengths, seed=s)
-        table = pa.table({"id": [f"s{s}-{k}" for k in range(len(seqs))], "input_ids": pa.array(seqs, pa.list_(pa.int32())),
-                          "loss_mask": pa.array([[1] * len(x) for x in seqs], pa.list_(pa.uint8())), "num_tokens": pa.array([len(x) for x in seqs], pa.int32())})
+        table = pa.table(
+            {
+                "id": [f"s{s}-{k}" for k in range(len(seqs))],
+                "input_ids": pa.array(seqs, pa.list_(pa.int32())),
+                "loss_mask": pa.array([[1] * len(x) for x in seqs], pa.list_(pa.uint8())),
+                "num_tokens": pa.array([len(x) for x in seqs], pa.int32()),
+            }
+        )
         pq.write_table(table, tok / name)
         sha = hashlib.sha256((tok / name).read_bytes()).hexdigest()
-        (tok / f"shard-{s:05d}.done.json").write_text(json.dumps({"parquet_sha256": sha, "result": {"tokens": sum(lengths), "ok": len(seqs)}}))
+        (tok / f"shard-{s:05d}.done.json").write_text(
+            json.dumps({"parquet_sha256": sha, "result": {"tokens": sum(lengths), "ok": len(seqs)}})
+        )
         names.append(name)
-    config = load_config(DEMO_RECIPE, [f'run_dir="{run}"', "hidden_states.dtype=\"float32\"", "hidden_states.batch_tokens=256", *sets])
+    config = load_config(
+        DEMO_RECIPE, [f'run_dir="{run}"', 'hidden_states.dtype="float32"', "hidden_states.batch_tokens=256", *sets]
+    )
     return config, names

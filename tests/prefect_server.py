@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import httpx
+
 from conftest import ROOT
 
 VENV = ROOT / ".venv" / "bin"
@@ -25,12 +26,26 @@ class Server:
     def __init__(self, home: Path, extra_env: dict | None = None):
         self.port = free_port()
         self.api = f"http://127.0.0.1:{self.port}/api"
-        self.env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": self.api, "PREFECT_UI_API_URL": self.api,
-                    "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1", "EAGLE3_PROJECT_DIR": str(ROOT), **(extra_env or {})}
+        self.env = {
+            **os.environ,
+            "PREFECT_HOME": str(home),
+            "PREFECT_API_URL": self.api,
+            "PREFECT_UI_API_URL": self.api,
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "DO_NOT_TRACK": "1",
+            "EAGLE3_PROJECT_DIR": str(ROOT),
+            **(extra_env or {}),
+        }
         home.mkdir(parents=True, exist_ok=True)
         self.log = open(home / "server.log", "w")
-        self.proc = subprocess.Popen([VENV / "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
-                                     env=self.env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+        self.proc = subprocess.Popen(
+            [VENV / "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
+            env=self.env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=ROOT,
+        )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             try:
@@ -43,7 +58,9 @@ class Server:
         raise AssertionError("prefect server did not answer /health in 120 s")
 
     def prefect(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-        out = subprocess.run([VENV / "prefect", *args], env=self.env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        out = subprocess.run(
+            [VENV / "prefect", *args], env=self.env, cwd=ROOT, capture_output=True, text=True, timeout=timeout
+        )
         assert out.returncode == 0, f"prefect {' '.join(args)}:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
         return out
 

@@ -54,7 +54,9 @@ class DrafterConfig:
     target_architecture: str = ""
 
     @classmethod
-    def from_target(cls, target_config: dict, draft_vocab_size: int, aux_layer_ids: list[int], norm_before_residual: bool = False) -> DrafterConfig:
+    def from_target(
+        cls, target_config: dict, draft_vocab_size: int, aux_layer_ids: list[int], norm_before_residual: bool = False
+    ) -> DrafterConfig:
         """The drafter's shapes from the target's config.json (the drafter layer mirrors a target layer)."""
         text = target_config.get("text_config", target_config)
         model_type = text.get("model_type", "llama")
@@ -62,12 +64,21 @@ class DrafterConfig:
         hidden = int(text["hidden_size"])
         rope = text.get("rope_theta") or (text.get("rope_parameters") or {}).get("rope_theta") or 10000.0
         return cls(
-            arch="qwen3" if model_type.startswith("qwen3") else "llama", hidden_size=hidden, intermediate_size=int(text["intermediate_size"]),
-            num_attention_heads=heads, num_key_value_heads=int(text.get("num_key_value_heads") or heads),
-            head_dim=int(text.get("head_dim") or hidden // heads), rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)), rope_theta=float(rope),
-            max_position_embeddings=int(text.get("max_position_embeddings", 4096)), vocab_size=int(text["vocab_size"]),
-            draft_vocab_size=int(draft_vocab_size), target_hidden_size=hidden, aux_layer_ids=list(aux_layer_ids),
-            norm_before_residual=norm_before_residual, target_model_type=model_type,
+            arch="qwen3" if model_type.startswith("qwen3") else "llama",
+            hidden_size=hidden,
+            intermediate_size=int(text["intermediate_size"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(text.get("num_key_value_heads") or heads),
+            head_dim=int(text.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope),
+            max_position_embeddings=int(text.get("max_position_embeddings", 4096)),
+            vocab_size=int(text["vocab_size"]),
+            draft_vocab_size=int(draft_vocab_size),
+            target_hidden_size=hidden,
+            aux_layer_ids=list(aux_layer_ids),
+            norm_before_residual=norm_before_residual,
+            target_model_type=model_type,
             target_architecture=(target_config.get("architectures") or [""])[0],
         )
 
@@ -98,7 +109,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
     angles = positions.to(torch.float32)[:, None] * inv[None, :]
     cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     rotated = torch.cat([-x2, x1], dim=-1)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
@@ -141,7 +152,7 @@ class Attention(nn.Module):
         weights = torch.softmax(torch.cat([scores, *diag], dim=-1).float(), dim=-1).to(q.dtype)
         out = torch.matmul(weights[..., :T], v0)
         for j, v in enumerate(chain_v):
-            out = out + weights[..., T + j: T + j + 1] * v
+            out = out + weights[..., T + j : T + j + 1] * v
         return self.o_proj(out.transpose(1, 2).reshape(B, T, h * d))
 
 
@@ -189,9 +200,16 @@ class Eagle3Drafter(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.int64))
-        self.register_buffer("t2d", torch.ones(c.vocab_size, dtype=torch.bool) if c.draft_vocab_size >= c.vocab_size else torch.zeros(c.vocab_size, dtype=torch.bool))
+        self.register_buffer(
+            "t2d",
+            torch.ones(c.vocab_size, dtype=torch.bool)
+            if c.draft_vocab_size >= c.vocab_size
+            else torch.zeros(c.vocab_size, dtype=torch.bool),
+        )
 
-    def init_from_target(self, embed: torch.Tensor, lm_head: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+    def init_from_target(
+        self, embed: torch.Tensor, lm_head: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor
+    ) -> None:
         """Frozen target embeddings; lm_head rows of the draft vocabulary's target ids."""
         draft_to_target = torch.arange(len(d2t)) + d2t
         with torch.no_grad():
@@ -203,10 +221,14 @@ class Eagle3Drafter(nn.Module):
     def trainable_state(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in self.state_dict().items() if k != "embed_tokens.weight"}
 
-    def forward(self, input_ids: torch.Tensor, aux: torch.Tensor, valid: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    def forward(
+        self, input_ids: torch.Tensor, aux: torch.Tensor, valid: torch.Tensor, steps: int
+    ) -> list[torch.Tensor]:
         return self.ttt_logits(input_ids, aux, valid, steps)
 
-    def ttt_logits(self, input_ids: torch.Tensor, aux: torch.Tensor, valid: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    def ttt_logits(
+        self, input_ids: torch.Tensor, aux: torch.Tensor, valid: torch.Tensor, steps: int
+    ) -> list[torch.Tensor]:
         """Draft logits [B, T, draft_vocab] for each of ``steps`` TTT steps (see module doc).
 
         input_ids [B,T] (the data tokens), aux [B,T,3H_target], valid [B,T] bool (real tokens)."""

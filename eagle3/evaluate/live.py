@@ -43,8 +43,10 @@ def _drafters(config: PipelineConfig, methods: list[str], drafter_dir, out: Path
     if not any(m in servers.DRAFTER_METHODS for m in methods):
         return {}
     if drafter_dir is None or not (Path(drafter_dir) / "config.json").exists():
-        raise MissingInput(f"{drafter_dir} holds no exported drafter (config.json): needed for methods "
-                           f"{[m for m in methods if m in servers.DRAFTER_METHODS]}")
+        raise MissingInput(
+            f"{drafter_dir} holds no exported drafter (config.json): needed for methods "
+            f"{[m for m in methods if m in servers.DRAFTER_METHODS]}"
+        )
     found = {"trained": Path(drafter_dir)}
     if any(servers.base_method(m) == "untrained" for m in methods):
         found["untrained"] = servers.build_untrained(config, Path(drafter_dir), out, logger)
@@ -61,15 +63,22 @@ def headline(doc: dict, temperature: float | None = None) -> dict:
     if not cells:
         return {}
     sets = list(dict.fromkeys(c["prompt_set"] for c in cells))
-    where = {"prompt_set": "heldout" if "heldout" in sets else sets[0], "temperature": temperature,
-             "concurrency": min(c["concurrency"] for c in cells)}
+    where = {
+        "prompt_set": "heldout" if "heldout" in sets else sets[0],
+        "temperature": temperature,
+        "concurrency": min(c["concurrency"] for c in cells),
+    }
     by = {c["method"]: c for c in cells if all(c[k] == v for k, v in where.items())}
     get = lambda m, k: (by.get(m) or {}).get(k)  # noqa: E731
-    return {**where, "num_speculative_tokens": doc["num_speculative_tokens"],
-            **{f"acceptance_length_{m}": get(m, "mean_acceptance_length") for m in ("trained", "untrained", "ngram")},
-            "decode_tokens_per_s": {m: c["decode_tokens_per_s"] for m, c in by.items()},
-            "speedup_vs_none": get("trained", "speedup_vs_none"), "speedup_vs_ngram": get("trained", "speedup_vs_ngram"),
-            **matrix.fastest_ratios(by)}
+    return {
+        **where,
+        "num_speculative_tokens": doc["num_speculative_tokens"],
+        **{f"acceptance_length_{m}": get(m, "mean_acceptance_length") for m in ("trained", "untrained", "ngram")},
+        "decode_tokens_per_s": {m: c["decode_tokens_per_s"] for m, c in by.items()},
+        "speedup_vs_none": get("trained", "speedup_vs_none"),
+        "speedup_vs_ngram": get("trained", "speedup_vs_ngram"),
+        **matrix.fastest_ratios(by),
+    }
 
 
 def measure_live(config: PipelineConfig, drafter_dir: str | Path | None, *, out_dir: str | Path, logger=None) -> dict:
@@ -94,13 +103,23 @@ def measure_live(config: PipelineConfig, drafter_dir: str | Path | None, *, out_
     began = time.monotonic()
     visits, starts = matrix.run_matrix(config, specs, sets, out, log)
     doc = {
-        "target": config.server.model, "drafter": str(Path(drafter_dir).resolve()) if drafter_dir else None,
-        "methods": {m: {"speculative_config": specs[m], "acceptance_source": matrix.ACCEPTANCE_SOURCE[servers.base_method(m)]} for m in methods},
-        "num_speculative_tokens": ev.num_speculative_tokens, "max_tokens": ev.max_tokens, "rounds": ev.rounds,
-        "servers": ev.servers, "server_starts": starts, "seconds": round(time.monotonic() - began, 1),
+        "target": config.server.model,
+        "drafter": str(Path(drafter_dir).resolve()) if drafter_dir else None,
+        "methods": {
+            m: {"speculative_config": specs[m], "acceptance_source": matrix.ACCEPTANCE_SOURCE[servers.base_method(m)]}
+            for m in methods
+        },
+        "num_speculative_tokens": ev.num_speculative_tokens,
+        "max_tokens": ev.max_tokens,
+        "rounds": ev.rounds,
+        "servers": ev.servers,
+        "server_starts": starts,
+        "seconds": round(time.monotonic() - began, 1),
         "decode_rate_definition": DECODE_RATE_DEFINITION,
-        "prompt_sets": {n: {"label": s["label"], "selection": s["selection"], "prompt_ids": [p["id"] for p in s["prompts"]]}
-                        for n, s in sets.items()},
+        "prompt_sets": {
+            n: {"label": s["label"], "selection": s["selection"], "prompt_ids": [p["id"] for p in s["prompts"]]}
+            for n, s in sets.items()
+        },
         "cells": matrix.pool_cells(visits, methods),
         "visits": [{k: v for k, v in visit.items() if k != "token_ids"} for visit in visits],
     }
@@ -124,7 +143,11 @@ def offline_estimate(run_dir: str | Path) -> dict | None:
     try:
         last = json.loads(lines[-1])
         value = last.get("acceptance_length")
-        return {"acceptance_length": float(value) if value is not None else None, "step": last.get("step"), "path": str(path)}
+        return {
+            "acceptance_length": float(value) if value is not None else None,
+            "step": last.get("step"),
+            "path": str(path),
+        }
     except (ValueError, TypeError, AttributeError) as exc:
         return {"acceptance_length": None, "path": str(path), "error": f"last line unreadable: {exc}"}
 
@@ -142,7 +165,11 @@ def problems(cells: list[dict]) -> list[str]:
 
 
 def _by_temperature(cells: list[dict], method: str, key: str, where: dict) -> dict | None:
-    rows = {f"{c['temperature']:g}": c[key] for c in cells if c["method"] == method and all(c[k] == v for k, v in where.items())}
+    rows = {
+        f"{c['temperature']:g}": c[key]
+        for c in cells
+        if c["method"] == method and all(c[k] == v for k, v in where.items())
+    }
     return rows or None
 
 
@@ -152,13 +179,20 @@ def run_evaluate(config: PipelineConfig, logger=None) -> dict:
     drafter = run / "export" / "vllm"
     wants_drafter = any(m in servers.DRAFTER_METHODS for m in matrix.methods_of(config))
     if wants_drafter and not (drafter / "config.json").exists():
-        raise MissingInput(f"{drafter} holds no exported drafter: run the export stage first (export.formats must include vllm)")
+        raise MissingInput(
+            f"{drafter} holds no exported drafter: run the export stage first (export.formats must include vllm)"
+        )
     out = run / "evaluate"
     doc = measure_live(config, drafter if wants_drafter else None, out_dir=out, logger=logger)
     info_path = drafter / "export_info.json"
-    doc.update({"export_info": read_json(info_path) if info_path.exists() else None, "offline_estimate": offline_estimate(run),
-                "evaluate_config": config.evaluate.model_dump(mode="json"),
-                "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    doc.update(
+        {
+            "export_info": read_json(info_path) if info_path.exists() else None,
+            "offline_estimate": offline_estimate(run),
+            "evaluate_config": config.evaluate.model_dump(mode="json"),
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+    )
     atomic_write_json(out / "live.json", doc)
     cells, head = doc["cells"], doc["headline"]
     errors = Counter()
@@ -166,17 +200,29 @@ def run_evaluate(config: PipelineConfig, logger=None) -> dict:
         errors.update(c["errors"])
     bad = problems(cells)
     where = {k: head.get(k) for k in ("prompt_set", "concurrency")}
-    counts = StageCounts(sum(c["requests"] for c in cells), sum(c["requests_ok"] for c in cells),
-                         sum(c["requests_failed"] for c in cells), 0, dict(errors))
+    counts = StageCounts(
+        sum(c["requests"] for c in cells),
+        sum(c["requests_ok"] for c in cells),
+        sum(c["requests_failed"] for c in cells),
+        0,
+        dict(errors),
+    )
     entry = record_stage(
-        run, STAGE, counts, status="failed" if bad else "ok", error="; ".join(bad) or None, path=str(out / "live.json"),
-        headline=head, headline_all_temperatures={f"{t:g}": headline(doc, t) for t in matrix.temperatures(config)},
+        run,
+        STAGE,
+        counts,
+        status="failed" if bad else "ok",
+        error="; ".join(bad) or None,
+        path=str(out / "live.json"),
+        headline=head,
+        headline_all_temperatures={f"{t:g}": headline(doc, t) for t in matrix.temperatures(config)},
         mean_acceptance_length=_by_temperature(cells, "trained", "mean_acceptance_length", where),
         acceptance_rate=_by_temperature(cells, "trained", "acceptance_rate", where),
         untrained_mean_acceptance_length=_by_temperature(cells, "untrained", "mean_acceptance_length", where),
         offline_acceptance_length=(doc["offline_estimate"] or {}).get("acceptance_length"),
         prompt_sets={n: s["selection"] for n, s in doc["prompt_sets"].items()},
-        config_hash=section_hash(config.evaluate), versions=versions("httpx"),
+        config_hash=section_hash(config.evaluate),
+        versions=versions("httpx"),
     )
     if bad:
         raise EvaluationFailed(f"evaluate: {'; '.join(bad)}; see {out / 'live.json'} and the server logs in {out}")

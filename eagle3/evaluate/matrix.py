@@ -55,7 +55,9 @@ def visit_order(methods: list[str], cells: list[tuple], rounds: int, strategy: s
     order = []
     for r in range(rounds):
         ms = rotated(methods, r)
-        pairs = ((m, c) for c in cells for m in ms) if strategy == "side_by_side" else ((m, c) for m in ms for c in cells)
+        pairs = (
+            ((m, c) for c in cells for m in ms) if strategy == "side_by_side" else ((m, c) for m in ms for c in cells)
+        )
         order += [(r, m, c) for m, c in pairs]
     return order
 
@@ -100,7 +102,9 @@ class ServerSet:
         return [s for m, s in self.running.items() if m != method]
 
     def _start(self, round_index: int, method: str):
-        managed = servers.make_server(self.config, method, self.specs[method], self.out / f"server-{method}.log", self.log)
+        managed = servers.make_server(
+            self.config, method, self.specs[method], self.out / f"server-{method}.log", self.log
+        )
         began = time.monotonic()
         managed.start()
         try:
@@ -133,9 +137,17 @@ def _visit(managed, others: list, prompts: list[dict], cell: tuple, config, prob
     ev = config.evaluate
     before = metrics.fetch_metrics(probe, managed.root_url, managed.api_key)
     cpu0, idle0 = _cpu([managed]), _cpu(others)
-    outcomes, wall = measure.run_batch(managed.base_url, managed.api_key, managed.served_model_name, prompts,
-                                       temperature=temperature, top_p=config.generation.top_p, max_tokens=ev.max_tokens,
-                                       concurrency=concurrency, timeout_s=request_timeout_s(config))
+    outcomes, wall = measure.run_batch(
+        managed.base_url,
+        managed.api_key,
+        managed.served_model_name,
+        prompts,
+        temperature=temperature,
+        top_p=config.generation.top_p,
+        max_tokens=ev.max_tokens,
+        concurrency=concurrency,
+        timeout_s=request_timeout_s(config),
+    )
     managed.check()
     after = metrics.fetch_metrics(probe, managed.root_url, managed.api_key)
     cpu1, idle1 = _cpu([managed]), _cpu(others)
@@ -153,7 +165,9 @@ def _digest(ids: list[int] | None) -> str | None:
     return None if ids is None else hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:16]
 
 
-def run_matrix(config, specs: dict[str, dict | None], sets: dict[str, dict], out: Path, logger) -> tuple[list[dict], list[dict]]:
+def run_matrix(
+    config, specs: dict[str, dict | None], sets: dict[str, dict], out: Path, logger
+) -> tuple[list[dict], list[dict]]:
     """Every visit, in alternation order; (visit records, server starts)."""
     ev = config.evaluate
     methods = list(specs)
@@ -166,12 +180,32 @@ def run_matrix(config, specs: dict[str, dict | None], sets: dict[str, dict], out
             prompts = sets[cell[0]]["prompts"]
             record, ids = _visit(managed, pool.others(method), prompts, cell, config, probe)
             stats = record["stats"]
-            logger.info("evaluate round %d %s %s T=%g c=%d: %d/%d ok, %.1f decode tokens/s%s", round_index, method, cell[0],
-                        cell[1], cell[2], stats["requests_ok"], stats["requests"], measure.rates(stats)["decode_tokens_per_s"] or 0.0,
-                        "" if record["counters"] is None else f", acceptance length {metrics.with_rates(record['counters'])['mean_acceptance_length']}")
-            visits.append({"round": round_index, "method": method, "prompt_set": cell[0], "temperature": cell[1],
-                           "concurrency": cell[2], **record, "token_ids": ids,
-                           "outputs": {p["id"]: _digest(i) for p, i in zip(prompts, ids)}})
+            logger.info(
+                "evaluate round %d %s %s T=%g c=%d: %d/%d ok, %.1f decode tokens/s%s",
+                round_index,
+                method,
+                cell[0],
+                cell[1],
+                cell[2],
+                stats["requests_ok"],
+                stats["requests"],
+                measure.rates(stats)["decode_tokens_per_s"] or 0.0,
+                ""
+                if record["counters"] is None
+                else f", acceptance length {metrics.with_rates(record['counters'])['mean_acceptance_length']}",
+            )
+            visits.append(
+                {
+                    "round": round_index,
+                    "method": method,
+                    "prompt_set": cell[0],
+                    "temperature": cell[1],
+                    "concurrency": cell[2],
+                    **record,
+                    "token_ids": ids,
+                    "outputs": {p["id"]: _digest(i) for p, i in zip(prompts, ids)},
+                }
+            )
         starts = pool.starts
     return visits, starts
 
@@ -191,10 +225,19 @@ def _acceptance(method: str, counters: dict | None) -> dict:
     if servers.base_method(method) == "none":
         return {"mean_acceptance_length": 1.0, "acceptance_rate": None, "per_position_acceptance": [], "counters": None}
     if counters is None:
-        return {"mean_acceptance_length": None, "acceptance_rate": None, "per_position_acceptance": [], "counters": None}
+        return {
+            "mean_acceptance_length": None,
+            "acceptance_rate": None,
+            "per_position_acceptance": [],
+            "counters": None,
+        }
     full = metrics.with_rates(counters)
-    return {"mean_acceptance_length": full["mean_acceptance_length"], "acceptance_rate": full["acceptance_rate"],
-            "per_position_acceptance": full["per_position_acceptance"], "counters": counters}
+    return {
+        "mean_acceptance_length": full["mean_acceptance_length"],
+        "acceptance_rate": full["acceptance_rate"],
+        "per_position_acceptance": full["per_position_acceptance"],
+        "counters": counters,
+    }
 
 
 def pool_cell(method: str, visits: list[dict]) -> dict:
@@ -202,11 +245,24 @@ def pool_cell(method: str, visits: list[dict]) -> dict:
     stats = reduce(measure.add_stats, [v["stats"] for v in visits])
     found = [v["counters"] for v in visits if v["counters"] is not None]
     counters = reduce(metrics.add_raw, found) if found else None
-    rounds = [{"round": v["round"], "decode_tokens_per_s": measure.rates(v["stats"])["decode_tokens_per_s"],
-               "mean_acceptance_length": _acceptance(method, v["counters"])["mean_acceptance_length"],
-               "server_cpu_s": v["server_cpu_s"], "idle_servers_cpu_s": v["idle_servers_cpu_s"]} for v in visits]
-    return {**stats, **measure.rates(stats), **_acceptance(method, counters), "acceptance_source": ACCEPTANCE_SOURCE[servers.base_method(method)],
-            "rounds": rounds, "decode_tokens_per_s_spread": _spread([r["decode_tokens_per_s"] for r in rounds])}
+    rounds = [
+        {
+            "round": v["round"],
+            "decode_tokens_per_s": measure.rates(v["stats"])["decode_tokens_per_s"],
+            "mean_acceptance_length": _acceptance(method, v["counters"])["mean_acceptance_length"],
+            "server_cpu_s": v["server_cpu_s"],
+            "idle_servers_cpu_s": v["idle_servers_cpu_s"],
+        }
+        for v in visits
+    ]
+    return {
+        **stats,
+        **measure.rates(stats),
+        **_acceptance(method, counters),
+        "acceptance_source": ACCEPTANCE_SOURCE[servers.base_method(method)],
+        "rounds": rounds,
+        "decode_tokens_per_s_spread": _spread([r["decode_tokens_per_s"] for r in rounds]),
+    }
 
 
 def _greedy(visits: list[dict], reference: dict[tuple, list]) -> dict:
@@ -224,24 +280,37 @@ def _greedy(visits: list[dict], reference: dict[tuple, list]) -> dict:
 def pool_cells(visits: list[dict], methods: list[str]) -> list[dict]:
     """Cells in (prompt set, temperature, concurrency, method) order, with speed-ups and the greedy check."""
     ref_method = "none" if "none" in methods else methods[0]
-    reference = {(v["prompt_set"], v["temperature"], v["concurrency"]): v["token_ids"]
-                 for v in visits if v["method"] == ref_method and v["round"] == 0 and v["temperature"] == 0}
+    reference = {
+        (v["prompt_set"], v["temperature"], v["concurrency"]): v["token_ids"]
+        for v in visits
+        if v["method"] == ref_method and v["round"] == 0 and v["temperature"] == 0
+    }
     keys = list(dict.fromkeys((v["prompt_set"], v["temperature"], v["concurrency"]) for v in visits))
     cells = []
     for key in keys:
         group = {}
         for m in methods:
-            mine = [v for v in visits if (v["prompt_set"], v["temperature"], v["concurrency"]) == key and v["method"] == m]
+            mine = [
+                v for v in visits if (v["prompt_set"], v["temperature"], v["concurrency"]) == key and v["method"] == m
+            ]
             if mine:
-                group[m] = {"method": m, "prompt_set": key[0], "temperature": key[1], "concurrency": key[2], **pool_cell(m, mine),
-                            **(_greedy(mine, reference) if key[1] == 0 else {})}
+                group[m] = {
+                    "method": m,
+                    "prompt_set": key[0],
+                    "temperature": key[1],
+                    "concurrency": key[2],
+                    **pool_cell(m, mine),
+                    **(_greedy(mine, reference) if key[1] == 0 else {}),
+                }
         for cell in group.values():
             rate = cell["decode_tokens_per_s"]
             for base in ("none", "ngram"):
                 other = (group.get(base) or {}).get("decode_tokens_per_s")
                 cell[f"speedup_vs_{base}"] = rate / other if rate and other else None
             fastest = fastest_rate(group, "none")
-            cell["speedup_vs_fastest_none"] = rate / fastest if rate and fastest and len(variants(group, "none")) > 1 else None
+            cell["speedup_vs_fastest_none"] = (
+                rate / fastest if rate and fastest and len(variants(group, "none")) > 1 else None
+            )
         cells += group.values()
     return cells
 
@@ -262,12 +331,17 @@ def fastest_ratios(group: dict[str, dict]) -> dict:
     if not any(servers.is_compiled(m) for m in group):
         return {}
     out = {}
-    best = {b: max(variants(group, b), key=lambda c: c["decode_tokens_per_s"] or 0.0, default=None) for b in ("trained", "none", "ngram")}
+    best = {
+        b: max(variants(group, b), key=lambda c: c["decode_tokens_per_s"] or 0.0, default=None)
+        for b in ("trained", "none", "ngram")
+    }
     top = best["trained"]
     for base in ("none", "ngram"):
         other = best[base]
         ok = top and other and top["decode_tokens_per_s"] and other["decode_tokens_per_s"]
-        out[f"speedup_fastest_vs_fastest_{base}"] = top["decode_tokens_per_s"] / other["decode_tokens_per_s"] if ok else None
+        out[f"speedup_fastest_vs_fastest_{base}"] = (
+            top["decode_tokens_per_s"] / other["decode_tokens_per_s"] if ok else None
+        )
         out[f"fastest_{base}_method"] = other["method"] if other else None
     out["fastest_trained_method"] = top["method"] if top else None
     return out

@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 
 import httpx
 
-
 DECODE_RATE_DEFINITION = (
     "streamed with return_token_ids; per request i: n_i completion tokens, f_i tokens in the first chunk that carried "
     "tokens, t_first_i / t_last_i arrival of the first / last chunk with tokens; decode_tokens_per_s = "
@@ -42,6 +41,7 @@ DECODE_RATE_DEFINITION = (
     "(time to first token excluded; the speed one stream sees, also at concurrency > 1). "
     "throughput_tokens_per_s = all completion tokens / wall time of the batch (prefill and queueing included)."
 )
+
 
 @dataclass
 class Streamed:
@@ -115,13 +115,30 @@ def stream_request(client: httpx.Client, url: str, headers: dict, body: dict, to
 
 
 def request_body(model: str, prompt: dict, *, temperature: float, top_p: float, max_tokens: int) -> dict:
-    return {"model": model, "messages": prompt["messages"], "max_tokens": max_tokens, "temperature": temperature,
-            "top_p": top_p if temperature > 0 else 1.0, "stream": True, "stream_options": {"include_usage": True},
-            "return_token_ids": True}
+    return {
+        "model": model,
+        "messages": prompt["messages"],
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "top_p": top_p if temperature > 0 else 1.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+    }
 
 
-def run_batch(base_url: str, api_key: str | None, model: str, prompts: list[dict], *, temperature: float, top_p: float,
-              max_tokens: int, concurrency: int, timeout_s: float) -> tuple[list[Streamed], float]:
+def run_batch(
+    base_url: str,
+    api_key: str | None,
+    model: str,
+    prompts: list[dict],
+    *,
+    temperature: float,
+    top_p: float,
+    max_tokens: int,
+    concurrency: int,
+    timeout_s: float,
+) -> tuple[list[Streamed], float]:
     """Every prompt once, at most ``concurrency`` in flight; (outcomes in prompt order, wall seconds)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     workers = max(1, min(concurrency, len(prompts)))
@@ -129,8 +146,10 @@ def run_batch(base_url: str, api_key: str | None, model: str, prompts: list[dict
     bodies = [request_body(model, p, temperature=temperature, top_p=top_p, max_tokens=max_tokens) for p in prompts]
     url = f"{base_url}/chat/completions"
     began = time.monotonic()
-    with httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits, trust_env=False) as client, \
-            ThreadPoolExecutor(workers) as pool:
+    with (
+        httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits, trust_env=False) as client,
+        ThreadPoolExecutor(workers) as pool,
+    ):
         outcomes = list(pool.map(lambda b: stream_request(client, url, headers, b, timeout_s), bodies))
     return outcomes, time.monotonic() - began
 
@@ -142,9 +161,15 @@ def summarize(outcomes: list[Streamed], wall_s: float) -> dict:
     errors = Counter(o.error for o in outcomes if o.error)
     tokens = sum(len(o.token_ids) for o in ok)
     return {
-        "requests": len(outcomes), "requests_ok": len(ok), "requests_failed": len(outcomes) - len(ok), "errors": dict(errors),
-        "completion_tokens": tokens, "decode_tokens": sum(o.decode_tokens for o in timed),
-        "decode_s": sum(o.decode_s for o in timed), "ttft_s_sum": sum(o.ttft_s for o in ok), "wall_s": wall_s,
+        "requests": len(outcomes),
+        "requests_ok": len(ok),
+        "requests_failed": len(outcomes) - len(ok),
+        "errors": dict(errors),
+        "completion_tokens": tokens,
+        "decode_tokens": sum(o.decode_tokens for o in timed),
+        "decode_s": sum(o.decode_s for o in timed),
+        "ttft_s_sum": sum(o.ttft_s for o in ok),
+        "wall_s": wall_s,
         "usage_mismatch": sum(1 for o in ok if o.usage_tokens is not None and o.usage_tokens != len(o.token_ids)),
     }
 
@@ -158,8 +183,17 @@ def rates(stats: dict) -> dict:
     }
 
 
-ADDITIVE = ("requests", "requests_ok", "requests_failed", "completion_tokens", "decode_tokens", "decode_s", "ttft_s_sum",
-            "wall_s", "usage_mismatch")
+ADDITIVE = (
+    "requests",
+    "requests_ok",
+    "requests_failed",
+    "completion_tokens",
+    "decode_tokens",
+    "decode_s",
+    "ttft_s_sum",
+    "wall_s",
+    "usage_mismatch",
+)
 
 
 def add_stats(a: dict, b: dict) -> dict:

@@ -43,7 +43,12 @@ def _run_prompts(run_dir: str | Path) -> list[dict]:
         for row in pq.read_table(shard, columns=["id", "messages"]).to_pylist():
             if row["id"] not in seen:
                 seen.add(row["id"])
-                rows.append({"id": row["id"], "messages": [{"role": m["role"], "content": m["content"]} for m in row["messages"]]})
+                rows.append(
+                    {
+                        "id": row["id"],
+                        "messages": [{"role": m["role"], "content": m["content"]} for m in row["messages"]],
+                    }
+                )
     return sorted(rows, key=lambda r: _order(r["id"]))
 
 
@@ -56,12 +61,18 @@ def select_prompts(run_dir: str | Path, fraction: float, num_prompts: int) -> tu
     chosen = heldout[:num_prompts]
     top_up = [r for r in rows if not is_heldout(r["id"], fraction)][: num_prompts - len(chosen)]
     info = {
-        "prompts_available": len(rows), "heldout_available": len(heldout), "heldout_used": len(chosen),
-        "topped_up_from_training": len(top_up), "eval_fraction": fraction, "requested": num_prompts,
+        "prompts_available": len(rows),
+        "heldout_available": len(heldout),
+        "heldout_used": len(chosen),
+        "topped_up_from_training": len(top_up),
+        "eval_fraction": fraction,
+        "requested": num_prompts,
     }
     if top_up:
-        info["note"] = (f"only {len(heldout)} held-out prompts exist (train.eval_fraction={fraction}); "
-                        f"{len(top_up)} training prompts were added, which flatters acceptance")
+        info["note"] = (
+            f"only {len(heldout)} held-out prompts exist (train.eval_fraction={fraction}); "
+            f"{len(top_up)} training prompts were added, which flatters acceptance"
+        )
     return chosen + top_up, info
 
 
@@ -75,7 +86,9 @@ def training_ids(run_dir: str | Path, fraction: float) -> set[str]:
         return set()
 
 
-def external_prompts(spec: str, num_prompts: int, *, turns: str, max_chars: int, exclude: set[str]) -> tuple[list[dict], dict]:
+def external_prompts(
+    spec: str, num_prompts: int, *, turns: str, max_chars: int, exclude: set[str]
+) -> tuple[list[dict], dict]:
     """Up to ``num_prompts`` prompts of ``spec`` (a file, folder or builtin:NAME) in a fixed hash
     order, minus the ids in ``exclude``; rows the normaliser rejects are counted by reason."""
     from collections import Counter
@@ -96,14 +109,24 @@ def external_prompts(spec: str, num_prompts: int, *, turns: str, max_chars: int,
                 found.setdefault(cand.id, {"id": cand.id, "messages": cand.as_messages()})
     usable = [p for p in sorted(found.values(), key=lambda p: _order(p["id"])) if p["id"] not in exclude]
     chosen = usable[:num_prompts]
-    info = {"source": spec, "prompts_available": len(found), "rejected": dict(rejected),
-            "excluded_trained_on": len(found) - len(usable), "used": len(chosen), "requested": num_prompts}
+    info = {
+        "source": spec,
+        "prompts_available": len(found),
+        "rejected": dict(rejected),
+        "excluded_trained_on": len(found) - len(usable),
+        "used": len(chosen),
+        "requested": num_prompts,
+    }
     if info["excluded_trained_on"]:
-        info["note"] = (f"{info['excluded_trained_on']} of the {len(found)} prompts in {spec} were training prompts of "
-                        "this run and were left out")
+        info["note"] = (
+            f"{info['excluded_trained_on']} of the {len(found)} prompts in {spec} were training prompts of "
+            "this run and were left out"
+        )
     if not chosen:
-        raise MissingInput(f"evaluate.external_prompts {spec!r}: no usable prompt (found {len(found)}, "
-                           f"{info['excluded_trained_on']} were training prompts of this run, rejected {dict(rejected)})")
+        raise MissingInput(
+            f"evaluate.external_prompts {spec!r}: no usable prompt (found {len(found)}, "
+            f"{info['excluded_trained_on']} were training prompts of this run, rejected {dict(rejected)})"
+        )
     return chosen, info
 
 
@@ -114,11 +137,21 @@ def prompt_sets(config, names: list[str]) -> dict[str, dict]:
     for name in names:
         if name == "heldout":
             prompts, info = select_prompts(run, config.train.eval_fraction, ev.num_prompts)
-            label = f"held-out split of this run's prompts (data.source {config.data.source}; train.eval_fraction {config.train.eval_fraction})"
+            label = (
+                f"held-out split of this run's prompts (data.source {config.data.source}; train.eval_fraction "
+                f"{config.train.eval_fraction})"
+            )
         else:
             exclude = training_ids(run, config.train.eval_fraction)
-            prompts, info = external_prompts(ev.external_prompts, ev.num_prompts, turns=config.data.turns,
-                                             max_chars=config.data.max_prompt_chars, exclude=exclude)
-            label = f"prompts from {ev.external_prompts}, not written by the target; this run's training prompts left out"
+            prompts, info = external_prompts(
+                ev.external_prompts,
+                ev.num_prompts,
+                turns=config.data.turns,
+                max_chars=config.data.max_prompt_chars,
+                exclude=exclude,
+            )
+            label = (
+                f"prompts from {ev.external_prompts}, not written by the target; this run's training prompts left out"
+            )
         out[name] = {"label": label, "prompts": prompts, "selection": info}
     return out

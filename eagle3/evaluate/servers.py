@@ -61,10 +61,18 @@ def speculative_config(method: str, config, drafters: dict[str, Path]) -> dict |
     if method == "none":
         return None
     if method == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": ev.num_speculative_tokens,
-                "prompt_lookup_max": ev.ngram_prompt_lookup_max, "prompt_lookup_min": ev.ngram_prompt_lookup_min}
+        return {
+            "method": "ngram",
+            "num_speculative_tokens": ev.num_speculative_tokens,
+            "prompt_lookup_max": ev.ngram_prompt_lookup_max,
+            "prompt_lookup_min": ev.ngram_prompt_lookup_min,
+        }
     if method in DRAFTER_METHODS:
-        return {"method": "eagle3", "model": str(Path(drafters[method]).resolve()), "num_speculative_tokens": ev.num_speculative_tokens}
+        return {
+            "method": "eagle3",
+            "model": str(Path(drafters[method]).resolve()),
+            "num_speculative_tokens": ev.num_speculative_tokens,
+        }
     raise ValueError(f"unknown evaluate method {method!r}; known: {', '.join(METHODS)}")
 
 
@@ -81,22 +89,45 @@ def make_server(config, method: str, spec: dict | None, log_path: Path, logger):
     server = config.server
     model = resolve_model(server.model)
     command = vllm_launcher(server)
-    extra = [*method_args(method, vllm_args(server, model)), *(["--speculative-config", json.dumps(spec)] if spec else [])]
-    return ManagedServer(command, model, served_model_name=served_name(server.model, model, server.served_model_name), host=server.host,
-                         extra_args=extra, env=dict(server.env), log_path=log_path,
-                         startup_timeout_s=server.startup_timeout_s, stop_grace_s=server.stop_grace_s, logger=logger)
+    extra = [
+        *method_args(method, vllm_args(server, model)),
+        *(["--speculative-config", json.dumps(spec)] if spec else []),
+    ]
+    return ManagedServer(
+        command,
+        model,
+        served_model_name=served_name(server.model, model, server.served_model_name),
+        host=server.host,
+        extra_args=extra,
+        env=dict(server.env),
+        log_path=log_path,
+        startup_timeout_s=server.startup_timeout_s,
+        stop_grace_s=server.stop_grace_s,
+        logger=logger,
+    )
 
 
 def warm_up(managed, prompt: dict, timeout_s: float) -> None:
     """One short greedy request before anything is measured; raises if the server cannot answer."""
     from eagle3.evaluate.measure import run_batch
 
-    outcomes, _ = run_batch(managed.base_url, managed.api_key, managed.served_model_name, [prompt], temperature=0.0,
-                            top_p=1.0, max_tokens=WARMUP_TOKENS, concurrency=1, timeout_s=timeout_s)
+    outcomes, _ = run_batch(
+        managed.base_url,
+        managed.api_key,
+        managed.served_model_name,
+        [prompt],
+        temperature=0.0,
+        top_p=1.0,
+        max_tokens=WARMUP_TOKENS,
+        concurrency=1,
+        timeout_s=timeout_s,
+    )
     if outcomes[0].error:
         from eagle3.evaluate.live import EvaluationFailed
 
-        raise EvaluationFailed(f"warm-up request to {managed.base_url} failed ({outcomes[0].error}); see {managed.log_path}")
+        raise EvaluationFailed(
+            f"warm-up request to {managed.base_url} failed ({outcomes[0].error}); see {managed.log_path}"
+        )
 
 
 def group_cpu_seconds(managed) -> float | None:
@@ -126,14 +157,25 @@ def build_untrained(config, drafter: Path, out: Path, logger=None) -> Path:
 
     target = resolve_model(config.server.model)
     exported = read_json(drafter / "config.json")
-    layers = exported.get("eagle_aux_hidden_state_layer_ids") or exported["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
-    with safe_open(str(drafter / "model.safetensors"), framework="np") as fh:  # d2t ships only for a smaller draft vocab
+    layers = (
+        exported.get("eagle_aux_hidden_state_layer_ids") or exported["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    )
+    with safe_open(
+        str(drafter / "model.safetensors"), framework="np"
+    ) as fh:  # d2t ships only for a smaller draft vocab
         d2t = fh.get_tensor("d2t") if "d2t" in fh.keys() else None
     draft_ids = None if d2t is None else (np.arange(len(d2t)) + d2t).tolist()
-    ckpt = write_untrained_checkpoint(target, out / "untrained" / "checkpoint", draft_ids=draft_ids,
-                                      aux_layer_ids=list(layers), seed=config.train.seed + 1)
+    ckpt = write_untrained_checkpoint(
+        target,
+        out / "untrained" / "checkpoint",
+        draft_ids=draft_ids,
+        aux_layer_ids=list(layers),
+        seed=config.train.seed + 1,
+    )
     (logger or logging.getLogger(__name__)).info("evaluate: untrained drafter written to %s", ckpt)
-    return export_checkpoint(ckpt, target, out / "untrained", ["vllm"], num_speculative_tokens=config.evaluate.num_speculative_tokens)["vllm"]
+    return export_checkpoint(
+        ckpt, target, out / "untrained", ["vllm"], num_speculative_tokens=config.evaluate.num_speculative_tokens
+    )["vllm"]
 
 
 def metrics_client() -> httpx.Client:

@@ -53,7 +53,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle3.durable import install_folder, owned_prefix, read_json, remove_inside, remove_orphaned_temporaries, sha256_file
+from eagle3.durable import (
+    install_folder,
+    owned_prefix,
+    read_json,
+    remove_inside,
+    remove_orphaned_temporaries,
+    sha256_file,
+)
 
 LAYOUTS = ("vllm", "sglang", "speculators")
 CONFIG = "config.json"
@@ -66,16 +73,46 @@ EMBED = "embed_tokens.weight"
 ARCHITECTURES = {"llama": "LlamaForCausalLMEagle3", "qwen3": "Eagle3Qwen3ForCausalLM"}
 SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
 LAYER_KEYS = (
-    "model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-    "num_hidden_layers", "hidden_act", "rms_norm_eps", "rope_theta", "rope_parameters", "max_position_embeddings",
-    "vocab_size", "tie_word_embeddings",
+    "model_type",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "num_hidden_layers",
+    "hidden_act",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_parameters",
+    "max_position_embeddings",
+    "vocab_size",
+    "tie_word_embeddings",
 )
-EAGLE_KEYS = ("architectures", "draft_vocab_size", "target_hidden_size", "norm_before_residual",
-              "eagle_aux_hidden_state_layer_ids", "eagle_config", "torch_dtype")
-SPECULATORS_KEYS = ("architectures", "speculators_model_type", "transformer_layer_config", "speculators_config",
-                    "draft_vocab_size", "target_hidden_size", "norm_before_residual", "eagle_aux_hidden_state_layer_ids",
-                    "speculators_version", "transformers_version", "norm_before_fc", "fc_norm", "norm_output",
-                    "embed_requires_grad")
+EAGLE_KEYS = (
+    "architectures",
+    "draft_vocab_size",
+    "target_hidden_size",
+    "norm_before_residual",
+    "eagle_aux_hidden_state_layer_ids",
+    "eagle_config",
+    "torch_dtype",
+)
+SPECULATORS_KEYS = (
+    "architectures",
+    "speculators_model_type",
+    "transformer_layer_config",
+    "speculators_config",
+    "draft_vocab_size",
+    "target_hidden_size",
+    "norm_before_residual",
+    "eagle_aux_hidden_state_layer_ids",
+    "speculators_version",
+    "transformers_version",
+    "norm_before_fc",
+    "fc_norm",
+    "norm_output",
+    "embed_requires_grad",
+)
 # The speculators release whose Eagle3SpeculatorConfig this layout follows (its config records the
 # library version that wrote it; ours records the format it matches).
 SPECULATORS_FORMAT_VERSION = "0.9.0"
@@ -149,8 +186,18 @@ class Shapes:
 
     @classmethod
     def of(cls, c) -> Shapes:
-        return cls(c.arch, c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                   c.vocab_size, c.draft_vocab_size, c.target_hidden_size, len(c.aux_layer_ids))
+        return cls(
+            c.arch,
+            c.hidden_size,
+            c.intermediate_size,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+            c.vocab_size,
+            c.draft_vocab_size,
+            c.target_hidden_size,
+            len(c.aux_layer_ids),
+        )
 
 
 def layer_prefix(layout: str) -> str:
@@ -196,14 +243,18 @@ def unsupported_reasons(layout: str, drafter_config, num_target_layers: int) -> 
         return []
     c, reasons = drafter_config, []
     if c.arch == "qwen3":
-        reasons.append("SGLang's EAGLE-3 drafter (LlamaForCausalLMEagle3) is a Llama layer without q_norm/k_norm; "
-                       "it would drop this Qwen3-style drafter's q/k norms silently")
+        reasons.append(
+            "SGLang's EAGLE-3 drafter (LlamaForCausalLMEagle3) is a Llama layer without q_norm/k_norm; "
+            "it would drop this Qwen3-style drafter's q/k norms silently"
+        )
     if c.norm_before_residual:
         reasons.append("SGLang's drafter always takes the residual before hidden_norm (norm_before_residual=False)")
     out_of_range = [i for i in c.aux_layer_ids if not 1 <= i <= num_target_layers - 1]
     if out_of_range:
-        reasons.append(f"aux layer ids {out_of_range} (vLLM numbering) have no SGLang equivalent: SGLang captures the "
-                       f"input of a decoder layer, so only ids 1..{num_target_layers - 1} exist there")
+        reasons.append(
+            f"aux layer ids {out_of_range} (vLLM numbering) have no SGLang equivalent: SGLang captures the "
+            f"input of a decoder layer, so only ids 1..{num_target_layers - 1} exist there"
+        )
     return reasons
 
 
@@ -275,9 +326,18 @@ def build_config(layout: str, c, target_path: str, target_config: dict, num_spec
             "speculators_config": {
                 "algorithm": "eagle3",
                 "default_proposal_method": "greedy",
-                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(num_speculative_tokens),
-                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-                "verifier": {"name_or_path": str(target_path), "architectures": list(target_config.get("architectures") or [])},
+                "proposal_methods": [
+                    {
+                        "proposal_type": "greedy",
+                        "speculative_tokens": int(num_speculative_tokens),
+                        "verifier_accept_k": 1,
+                        "accept_tolerance": 0.0,
+                    }
+                ],
+                "verifier": {
+                    "name_or_path": str(target_path),
+                    "architectures": list(target_config.get("architectures") or []),
+                },
             },
             "tie_word_embeddings": False,
             "dtype": "bfloat16",
@@ -312,7 +372,7 @@ def export_state(layout: str, c, state: dict, embed=None) -> dict:
     for name, tensor in state.items():
         if (name == EMBED and EMBED not in want) or (name == "d2t" and "d2t" not in want):
             continue
-        key = prefix + name[len("midlayer."):] if name.startswith("midlayer.") else name
+        key = prefix + name[len("midlayer.") :] if name.startswith("midlayer.") else name
         if key not in want:
             problems.append(f"unexpected tensor {name} in the checkpoint")
             continue
@@ -358,19 +418,28 @@ def check_fits_target(c, target_config: dict) -> list[str]:
     """Problems between a drafter config and the target it will serve."""
     t = text_config(target_config)
     problems = []
-    for ours, theirs in (("hidden_size", "hidden_size"), ("target_hidden_size", "hidden_size"), ("vocab_size", "vocab_size")):
+    for ours, theirs in (
+        ("hidden_size", "hidden_size"),
+        ("target_hidden_size", "hidden_size"),
+        ("vocab_size", "vocab_size"),
+    ):
         if getattr(c, ours) != t.get(theirs):
             problems.append(f"drafter {ours}={getattr(c, ours)} but the target's {theirs} is {t.get(theirs)}")
     layers = int(t.get("num_hidden_layers", 0))
-    if len(c.aux_layer_ids) != 3 or len(set(c.aux_layer_ids)) != 3 or not all(1 <= i <= layers for i in c.aux_layer_ids):
+    if (
+        len(c.aux_layer_ids) != 3
+        or len(set(c.aux_layer_ids)) != 3
+        or not all(1 <= i <= layers for i in c.aux_layer_ids)
+    ):
         problems.append(f"aux layer ids {c.aux_layer_ids}: need three distinct ids in 1..{layers} (vLLM numbering)")
     if not 1 <= c.draft_vocab_size <= c.vocab_size:
         problems.append(f"draft_vocab_size {c.draft_vocab_size} not in 1..{c.vocab_size}")
     return problems
 
 
-def export_checkpoint(ckpt_dir: str | Path, target_path: str | Path, out_root: str | Path, formats,
-                      *, num_speculative_tokens: int = 3) -> dict[str, Path]:
+def export_checkpoint(
+    ckpt_dir: str | Path, target_path: str | Path, out_root: str | Path, formats, *, num_speculative_tokens: int = 3
+) -> dict[str, Path]:
     """Write ``out_root/<layout>`` for each of ``formats``; {layout: folder}.
 
     Raises ExportError when the checkpoint does not fit the target, UnsupportedLayout when a
@@ -388,9 +457,12 @@ def export_checkpoint(ckpt_dir: str | Path, target_path: str | Path, out_root: s
         if reasons:
             raise UnsupportedLayout(layout, reasons)
     info = {
-        "export_version": EXPORT_VERSION, "source_checkpoint": str(ckpt_dir.resolve()),
-        "source_sha256": source_fingerprint(ckpt_dir), "target": str(target_path),
-        "aux_layer_ids_vllm_numbering": list(c.aux_layer_ids), "draft_vocab_size": c.draft_vocab_size,
+        "export_version": EXPORT_VERSION,
+        "source_checkpoint": str(ckpt_dir.resolve()),
+        "source_sha256": source_fingerprint(ckpt_dir),
+        "target": str(target_path),
+        "aux_layer_ids_vllm_numbering": list(c.aux_layer_ids),
+        "draft_vocab_size": c.draft_vocab_size,
         "num_speculative_tokens": int(num_speculative_tokens),
         "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
@@ -398,10 +470,17 @@ def export_checkpoint(ckpt_dir: str | Path, target_path: str | Path, out_root: s
     written = {}
     for layout in formats:
         config = build_config(layout, c, str(target_path), target_config, num_speculative_tokens)
-        held = ("the target's embedding table, copied (speculators' loader does not fill it)" if layout == "speculators"
-                else "not stored: the serving engine shares the target's")
-        written[layout] = write_layout(out_root / layout, config, export_state(layout, c, state, embed),
-                                       {**info, "layout": layout, "embed_tokens": held})
+        held = (
+            "the target's embedding table, copied (speculators' loader does not fill it)"
+            if layout == "speculators"
+            else "not stored: the serving engine shares the target's"
+        )
+        written[layout] = write_layout(
+            out_root / layout,
+            config,
+            export_state(layout, c, state, embed),
+            {**info, "layout": layout, "embed_tokens": held},
+        )
     return written
 
 
@@ -420,7 +499,9 @@ def _layer_view(layout: str, cfg: dict) -> tuple[dict, list[str]]:
         try:
             tokens = spec["proposal_methods"][0]["speculative_tokens"]
             if not isinstance(tokens, int) or tokens < 1:
-                problems.append(f"speculators_config.proposal_methods[0].speculative_tokens={tokens!r} is not an int >= 1")
+                problems.append(
+                    f"speculators_config.proposal_methods[0].speculative_tokens={tokens!r} is not an int >= 1"
+                )
         except (KeyError, IndexError, TypeError):
             problems.append("speculators_config.proposal_methods[0].speculative_tokens missing")
         if not (spec.get("verifier") or {}).get("name_or_path"):
@@ -430,7 +511,9 @@ def _layer_view(layout: str, cfg: dict) -> tuple[dict, list[str]]:
         if not isinstance(layer, dict):
             return {}, problems + ["transformer_layer_config is not an object"]
         return layer, problems
-    keys = EAGLE_KEYS if layout == "vllm" else ("architectures", "draft_vocab_size", "target_hidden_size", "eagle_config")
+    keys = (
+        EAGLE_KEYS if layout == "vllm" else ("architectures", "draft_vocab_size", "target_hidden_size", "eagle_config")
+    )
     problems += [f"config.json lacks {k}" for k in keys if k not in cfg]
     return cfg, problems
 
@@ -440,8 +523,10 @@ def _speculators_field_problems(cfg: dict) -> list[str]:
     problems = []
     for name in SPECULATORS_ABSENT_NORMS:
         if name in cfg and cfg[name] is not False:
-            problems.append(f"{name}={cfg[name]!r}: this drafter has no such norm (speculators and vLLM would add an "
-                            "untrained one); must be false")
+            problems.append(
+                f"{name}={cfg[name]!r}: this drafter has no such norm (speculators and vLLM would add an "
+                "untrained one); must be false"
+            )
     if "embed_requires_grad" in cfg and not isinstance(cfg["embed_requires_grad"], bool):
         problems.append(f"embed_requires_grad must be a bool, got {cfg['embed_requires_grad']!r}")
     for name in ("speculators_version", "transformers_version"):
@@ -464,8 +549,10 @@ def _aux_ids(layout: str, cfg: dict, num_layers: int) -> tuple[list[int] | None,
         where = "eagle_aux_hidden_state_layer_ids"
         if layout == "vllm":
             if eagle.get("eagle_aux_hidden_state_layer_ids") != raw:
-                problems.append(f"eagle_config.eagle_aux_hidden_state_layer_ids={eagle.get('eagle_aux_hidden_state_layer_ids')} "
-                                f"differs from the top-level {raw}")
+                problems.append(
+                    f"eagle_config.eagle_aux_hidden_state_layer_ids={eagle.get('eagle_aux_hidden_state_layer_ids')} "
+                    f"differs from the top-level {raw}"
+                )
     if layout in ("vllm", "sglang") and eagle.get("use_aux_hidden_state") is not True:
         problems.append("eagle_config.use_aux_hidden_state is not true")
     if not isinstance(raw, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in raw):
@@ -504,12 +591,18 @@ def validate_export(folder: str | Path, layout: str, target_path: str | Path) ->
     if layer["model_type"] not in ("llama", "qwen3"):
         problems.append(f"model_type {layer['model_type']!r} is neither llama nor qwen3")
     if layout == "vllm" and cfg["architectures"] != [ARCHITECTURES[arch]]:
-        problems.append(f"architectures {cfg['architectures']} for model_type {arch}: expected [{ARCHITECTURES[arch]!r}]")
+        problems.append(
+            f"architectures {cfg['architectures']} for model_type {arch}: expected [{ARCHITECTURES[arch]!r}]"
+        )
     if layout == "sglang":
         if cfg["architectures"] != [SGLANG_ARCHITECTURE] or arch != "llama":
-            problems.append(f"SGLang loads a llama-type {SGLANG_ARCHITECTURE}, got {cfg['architectures']} / {layer['model_type']}")
+            problems.append(
+                f"SGLang loads a llama-type {SGLANG_ARCHITECTURE}, got {cfg['architectures']} / {layer['model_type']}"
+            )
         if cfg.get("norm_before_residual"):
-            problems.append("SGLang ignores norm_before_residual=true (it always takes the residual before hidden_norm)")
+            problems.append(
+                "SGLang ignores norm_before_residual=true (it always takes the residual before hidden_norm)"
+            )
     if layout != "sglang" and not isinstance(cfg.get("norm_before_residual"), bool):
         problems.append(f"norm_before_residual must be written as a bool, got {cfg.get('norm_before_residual')!r}")
     if layer["num_hidden_layers"] != 1:
@@ -517,7 +610,9 @@ def validate_export(folder: str | Path, layout: str, target_path: str | Path) ->
     if layer["tie_word_embeddings"] is not False:
         problems.append("tie_word_embeddings must be false (the drafter's lm_head is its own)")
     if layer["hidden_size"] != H:
-        problems.append(f"hidden_size={layer['hidden_size']} but the target's is {H} (the target's embeddings are shared)")
+        problems.append(
+            f"hidden_size={layer['hidden_size']} but the target's is {H} (the target's embeddings are shared)"
+        )
     if cfg["target_hidden_size"] != H:
         problems.append(f"target_hidden_size={cfg['target_hidden_size']} but the target's hidden_size is {H}")
     if layer["vocab_size"] != V:
@@ -529,8 +624,18 @@ def validate_export(folder: str | Path, layout: str, target_path: str | Path) ->
     ids, id_problems = _aux_ids(layout, cfg, L)
     problems += id_problems
     try:
-        shapes = Shapes(arch, int(layer["hidden_size"]), int(layer["intermediate_size"]), int(layer["num_attention_heads"]),
-                        int(layer["num_key_value_heads"]), int(layer["head_dim"]), V, D, H, len(ids) if ids else 3)
+        shapes = Shapes(
+            arch,
+            int(layer["hidden_size"]),
+            int(layer["intermediate_size"]),
+            int(layer["num_attention_heads"]),
+            int(layer["num_key_value_heads"]),
+            int(layer["head_dim"]),
+            V,
+            D,
+            H,
+            len(ids) if ids else 3,
+        )
     except (TypeError, ValueError) as exc:
         return problems + [f"layer config values are not integers: {exc}"]
     want = expected_tensors(shapes, layout)
@@ -538,8 +643,14 @@ def validate_export(folder: str | Path, layout: str, target_path: str | Path) ->
     with safe_open(str(folder / WEIGHTS), framework="pt") as fh:
         names = set(fh.keys())
         for name in sorted(names - set(want) - {EMBED}):
-            problems.append(f"unexpected tensor {name}" + (" (vLLM only creates draft_id_to_target_id when the draft "
-                                                          "vocabulary is smaller than the target's)" if name == "d2t" else ""))
+            problems.append(
+                f"unexpected tensor {name}"
+                + (
+                    " (vLLM only creates draft_id_to_target_id when the draft vocabulary is smaller than the target's)"
+                    if name == "d2t"
+                    else ""
+                )
+            )
         for name in [n for n in want if n not in names]:
             problems.append(f"missing tensor {name}")
         dtype_of = {"float": torch.bfloat16, "int64": torch.int64, "bool": torch.bool}
@@ -582,7 +693,9 @@ def _check_vocab_map(d2t, t2d, D: int, V: int) -> list[str]:
     if d2t is not None:
         targets = torch.arange(D, dtype=torch.int64) + d2t
         if targets.min() < 0 or targets.max() >= V:
-            problems.append(f"d2t maps draft ids to target ids {int(targets.min())}..{int(targets.max())}, outside 0..{V - 1}")
+            problems.append(
+                f"d2t maps draft ids to target ids {int(targets.min())}..{int(targets.max())}, outside 0..{V - 1}"
+            )
         elif D > 1 and not bool((targets[1:] > targets[:-1]).all()):
             problems.append("d2t: draft ids do not map to strictly increasing (distinct) target ids")
         elif t2d is not None and not bool(t2d[targets].all()):
@@ -595,8 +708,14 @@ def _check_vocab_map(d2t, t2d, D: int, V: int) -> list[str]:
 # -- an untrained checkpoint (for smoke tests of export and serving) --------------------------
 
 
-def write_untrained_checkpoint(target_path: str | Path, ckpt_dir: str | Path, *, draft_ids=None,
-                               aux_layer_ids: list[int] | None = None, seed: int = 0) -> Path:
+def write_untrained_checkpoint(
+    target_path: str | Path,
+    ckpt_dir: str | Path,
+    *,
+    draft_ids=None,
+    aux_layer_ids: list[int] | None = None,
+    seed: int = 0,
+) -> Path:
     """A checkpoint folder as training writes one, holding an untrained drafter.
 
     Embeddings and the lm_head rows of the draft vocabulary come from the target (as training
@@ -612,7 +731,9 @@ def write_untrained_checkpoint(target_path: str | Path, ckpt_dir: str | Path, *,
     tcfg = read_target_config(target)
     t = text_config(tcfg)
     V = int(t["vocab_size"])
-    ids = torch.arange(V, dtype=torch.int64) if draft_ids is None else torch.as_tensor(list(draft_ids), dtype=torch.int64)
+    ids = (
+        torch.arange(V, dtype=torch.int64) if draft_ids is None else torch.as_tensor(list(draft_ids), dtype=torch.int64)
+    )
     if ids.numel() == 0 or bool((ids[1:] <= ids[:-1]).any()) or int(ids.min()) < 0 or int(ids.max()) >= V:
         raise ValueError(f"draft_ids must be strictly increasing target ids in 0..{V - 1}")
     from eagle3.hidden.extract import default_layer_ids

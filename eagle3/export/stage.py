@@ -19,8 +19,17 @@ from pathlib import Path
 from eagle3.config import PipelineConfig, section_hash
 from eagle3.durable import read_json
 from eagle3.export.layouts import (
-    CKPT_CONFIG, EXPORT_VERSION, INFO, WEIGHTS, ExportError, export_checkpoint, read_target_config, source_fingerprint,
-    text_config, unsupported_reasons, validate_export,
+    CKPT_CONFIG,
+    EXPORT_VERSION,
+    INFO,
+    WEIGHTS,
+    ExportError,
+    export_checkpoint,
+    read_target_config,
+    source_fingerprint,
+    text_config,
+    unsupported_reasons,
+    validate_export,
 )
 from eagle3.manifest import StageCounts, record_stage, versions
 
@@ -56,8 +65,10 @@ def find_checkpoint(run_dir: str | Path) -> tuple[Path, int | None, str]:
         if match and (path / WEIGHTS).exists() and (path / CKPT_CONFIG).exists():
             steps.append((int(match.group(1)), path))
     if not steps:
-        raise MissingCheckpoint(f"no drafter checkpoint in {folder} (no best.json, no step-N folder holding {WEIGHTS} "
-                                f"and {CKPT_CONFIG}): run the train stage first")
+        raise MissingCheckpoint(
+            f"no drafter checkpoint in {folder} (no best.json, no step-N folder holding {WEIGHTS} "
+            f"and {CKPT_CONFIG}): run the train stage first"
+        )
     step, path = max(steps)
     return path, step, "highest step"
 
@@ -70,8 +81,12 @@ def _up_to_date(folder: Path, layout: str, fingerprint: dict, num_tokens: int, t
         info = read_json(info_path)
     except ValueError:
         return False
-    same = (info.get("export_version") == EXPORT_VERSION and info.get("source_sha256") == fingerprint
-            and info.get("num_speculative_tokens") == num_tokens and info.get("target") == target)
+    same = (
+        info.get("export_version") == EXPORT_VERSION
+        and info.get("source_sha256") == fingerprint
+        and info.get("num_speculative_tokens") == num_tokens
+        and info.get("target") == target
+    )
     return same and not validate_export(folder, layout, target)
 
 
@@ -102,19 +117,35 @@ def run_export(config: PipelineConfig, logger=None) -> dict:
         log.info("export: %s already exported from these checkpoint bytes, kept", reused)
     problems = {f: p for f in wanted if (p := validate_export(root / f, f, target))}
     lines = "\n".join(f"  {f}: {p}" for f, ps in problems.items() for p in ps)
-    error = (f"export of {ckpt} failed validation:\n{lines}" if problems
-             else None if wanted else f"export: none of {formats} can hold this drafter: {skipped}")
+    error = (
+        f"export of {ckpt} failed validation:\n{lines}"
+        if problems
+        else None
+        if wanted
+        else f"export: none of {formats} can hold this drafter: {skipped}"
+    )
     paths = {f: str(root / f) for f in wanted if f not in problems}
     reasons = {**{f"unsupported_layout:{f}": 1 for f in skipped}, **{f"invalid:{f}": 1 for f in problems}}
     counts = StageCounts(len(formats), len(paths), len(problems), len(skipped), reasons)
     entry = record_stage(
-        config.run_dir, STAGE, counts, status="failed" if error else "ok", error=error, checkpoint=str(ckpt), step=step,
-        chosen_by=chosen, target=target, paths=paths, reused=reused, skipped=skipped, problems=problems,
-        config_hash=section_hash(config.export), versions=versions("torch", "safetensors"),
+        config.run_dir,
+        STAGE,
+        counts,
+        status="failed" if error else "ok",
+        error=error,
+        checkpoint=str(ckpt),
+        step=step,
+        chosen_by=chosen,
+        target=target,
+        paths=paths,
+        reused=reused,
+        skipped=skipped,
+        problems=problems,
+        config_hash=section_hash(config.export),
+        versions=versions("torch", "safetensors"),
     )
     if problems:
         raise InvalidExport(error)
     if error:
         raise ExportError(error)
     return {**entry, "paths": paths}
-

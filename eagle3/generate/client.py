@@ -117,14 +117,23 @@ class EndpointPool:
     appended as it happens, so the run's manifest can count them across shard tasks and retries.
     """
 
-    def __init__(self, base_urls: list[str], api_key: str | None, max_connections: int, deadline: float,
-                 outage_wait_s: float = 0.0, logger: logging.Logger | logging.LoggerAdapter | None = None,
-                 events: str | Path | None = None):
+    def __init__(
+        self,
+        base_urls: list[str],
+        api_key: str | None,
+        max_connections: int,
+        deadline: float,
+        outage_wait_s: float = 0.0,
+        logger: logging.Logger | logging.LoggerAdapter | None = None,
+        events: str | Path | None = None,
+    ):
         if not base_urls:
             raise ValueError("no server URLs to send requests to")
         n_clients = max(1, -(-max_connections // CONNECTIONS_PER_CLIENT))
         per_client = -(-max_connections // n_clients)
-        self.endpoints = [Endpoint(url, [_client(url, api_key, per_client, deadline) for _ in range(n_clients)]) for url in base_urls]
+        self.endpoints = [
+            Endpoint(url, [_client(url, api_key, per_client, deadline) for _ in range(n_clients)]) for url in base_urls
+        ]
         self.outage_wait_s = outage_wait_s
         self.log = logger or logging.getLogger(__name__)
         self.benched: Counter = Counter()
@@ -179,7 +188,9 @@ class EndpointPool:
             return  # already benched: one outage, one bench
         e.down_until = now + BENCH_S
         self.benched[e.base_url] += 1
-        self.log.warning("replica %s %s: benched, its requests go elsewhere until /v1/models answers again", e.base_url, why)
+        self.log.warning(
+            "replica %s %s: benched, its requests go elsewhere until /v1/models answers again", e.base_url, why
+        )
         self._note("benched", e, why)
         try:
             e.probe = asyncio.get_running_loop().create_task(self._probe_until_back(e))
@@ -218,12 +229,16 @@ class EndpointPool:
         while not self._up(now := time.monotonic()):
             if self._outage_since is None:
                 self._outage_since = now
-                self.log.warning("every replica is benched: requests wait up to %.0f s for one to answer again", self.outage_wait_s)
+                self.log.warning(
+                    "every replica is benched: requests wait up to %.0f s for one to answer again", self.outage_wait_s
+                )
             if now - self._outage_since >= self.outage_wait_s:
                 return  # waited long enough: requests go out, fail, and the shard retry takes over
             await asyncio.sleep(WAIT_POLL_S)
         if self._outage_since is not None:
-            self.log.warning("a replica is back after %.1f s with every replica benched", time.monotonic() - self._outage_since)
+            self.log.warning(
+                "a replica is back after %.1f s with every replica benched", time.monotonic() - self._outage_since
+            )
             self._outage_since = None
 
     async def close(self) -> None:
@@ -241,7 +256,9 @@ def _client(base_url: str, api_key: str | None, max_connections: int, deadline: 
     limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
     timeout = httpx.Timeout(deadline, connect=min(30.0, deadline))
     http = httpx.AsyncClient(limits=limits, timeout=timeout)
-    return openai.AsyncOpenAI(base_url=base_url, api_key=api_key or "none", max_retries=0, timeout=timeout, http_client=http)
+    return openai.AsyncOpenAI(
+        base_url=base_url, api_key=api_key or "none", max_retries=0, timeout=timeout, http_client=http
+    )
 
 
 def _retry_after(response: httpx.Response | None) -> float | None:
@@ -309,11 +326,18 @@ class Stats:
         elapsed = max(time.monotonic() - self.started, 1e-9)
         finished = self.done + self.filtered
         return {
-            "total": self.total, "skipped": self.skipped, "done": self.done, "filtered": self.filtered,
-            "failed": self.failed, "in_flight": self.in_flight, "elapsed_s": round(elapsed, 1),
-            "req_per_s": round(finished / elapsed, 2), "tokens_per_s": round(self.completion_tokens / elapsed, 1),
+            "total": self.total,
+            "skipped": self.skipped,
+            "done": self.done,
+            "filtered": self.filtered,
+            "failed": self.failed,
+            "in_flight": self.in_flight,
+            "elapsed_s": round(elapsed, 1),
+            "req_per_s": round(finished / elapsed, 2),
+            "tokens_per_s": round(self.completion_tokens / elapsed, 1),
             "mean_completion_tokens": round(self.completion_tokens / finished, 1) if finished else 0.0,
-            "retries": dict(self.retries), "errors": dict(self.errors),
+            "retries": dict(self.retries),
+            "errors": dict(self.errors),
         }
 
 
@@ -325,7 +349,9 @@ def parse_response(data: Any) -> dict:
         return {
             "prompt_token_ids": data.get("prompt_token_ids"),
             "completion_token_ids": choice.get("token_ids"),
-            "reasoning": message.get("reasoning") if message.get("reasoning") is not None else message.get("reasoning_content"),
+            "reasoning": message.get("reasoning")
+            if message.get("reasoning") is not None
+            else message.get("reasoning_content"),
             "content": message.get("content"),
             "finish_reason": choice["finish_reason"],
             "usage": data.get("usage"),
@@ -339,8 +365,13 @@ async def _attempt(endpoint: Lease, body: dict, deadline: float) -> dict:
     extra = {k: v for k, v in body.items() if k not in ("model", "messages", "max_tokens", "temperature", "top_p")}
     async with asyncio.timeout(deadline):
         raw = await endpoint.client.chat.completions.with_raw_response.create(
-            model=body["model"], messages=body["messages"], max_tokens=body["max_tokens"],
-            temperature=body["temperature"], top_p=body["top_p"], extra_body=extra, timeout=deadline,
+            model=body["model"],
+            messages=body["messages"],
+            max_tokens=body["max_tokens"],
+            temperature=body["temperature"],
+            top_p=body["top_p"],
+            extra_body=extra,
+            timeout=deadline,
         )
         try:
             return json.loads(raw.http_response.content)
@@ -353,7 +384,10 @@ def parse_completion(data: Any) -> dict:
     try:
         choices = sorted(data["choices"], key=lambda c: c["index"])
         return {
-            "choices": [{"text": c["text"], "finish_reason": c["finish_reason"], "stop_reason": c.get("stop_reason")} for c in choices],
+            "choices": [
+                {"text": c["text"], "finish_reason": c["finish_reason"], "stop_reason": c.get("stop_reason")}
+                for c in choices
+            ],
             "usage": data.get("usage"),
             "model": data.get("model"),
         }
@@ -362,11 +396,23 @@ def parse_completion(data: Any) -> dict:
 
 
 async def _completion_attempt(endpoint: Lease, body: dict, deadline: float) -> dict:
-    extra = {k: v for k, v in body.items() if k not in ("model", "prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed")}
+    extra = {
+        k: v
+        for k, v in body.items()
+        if k not in ("model", "prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed")
+    }
     async with asyncio.timeout(deadline):
         raw = await endpoint.client.completions.with_raw_response.create(
-            model=body["model"], prompt=body["prompt"], max_tokens=body["max_tokens"], temperature=body["temperature"],
-            top_p=body["top_p"], n=body["n"], stop=body.get("stop"), seed=body.get("seed"), extra_body=extra, timeout=deadline,
+            model=body["model"],
+            prompt=body["prompt"],
+            max_tokens=body["max_tokens"],
+            temperature=body["temperature"],
+            top_p=body["top_p"],
+            n=body["n"],
+            stop=body.get("stop"),
+            seed=body.get("seed"),
+            extra_body=extra,
+            timeout=deadline,
         )
         try:
             return json.loads(raw.http_response.content)
@@ -379,8 +425,9 @@ async def _completion_attempt(endpoint: Lease, body: dict, deadline: float) -> d
 ROUTES = {"chat": (_attempt, parse_response), "completions": (_completion_attempt, parse_completion)}
 
 
-async def request_with_retries(pool: EndpointPool, body: dict, gen: GenerationConfig, stats: Stats, rng: random.Random,
-                               route: str = "chat") -> tuple[dict | None, Failure | None, int, float]:
+async def request_with_retries(
+    pool: EndpointPool, body: dict, gen: GenerationConfig, stats: Stats, rng: random.Random, route: str = "chat"
+) -> tuple[dict | None, Failure | None, int, float]:
     """Run one prompt to a parsed result or a final failure: (result, failure, attempts, latency_s)."""
     send, parse = ROUTES[route]
     deadline = deadline_s(gen)

@@ -43,10 +43,15 @@ class JsonlAppender:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:  # never through a symlink: the file appended to is the run dir's own
-            self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+            self._fd: int | None = os.open(
+                self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644
+            )
         except OSError as exc:
             if exc.errno == errno.ELOOP:
-                raise RecordFileError(f"{self.path}: is a symbolic link; records are appended only to a file of the run dir's own (remove the link)") from None
+                raise RecordFileError(
+                    f"{self.path}: is a symbolic link; records are appended only to a file of the run dir's own "
+                    "(remove the link)"
+                ) from None
             raise
         self._fsync_every = fsync_every
         self._unsynced = 0
@@ -71,7 +76,9 @@ class JsonlAppender:
         if self._fd is None:
             raise ValueError(f"{self.path}: appender is closed")
         if self._broken:
-            raise DiskWriteError(errno.EIO, f"{self._what}: {self.path}: an earlier write to this file failed; rerun to resume")
+            raise DiskWriteError(
+                errno.EIO, f"{self._what}: {self.path}: an earlier write to this file failed; rerun to resume"
+            )
         return self._fd
 
     def _write(self, data: bytes) -> None:
@@ -81,7 +88,7 @@ class JsonlAppender:
             try:
                 view = memoryview(data)
                 while view:  # a short write (disk filling up) is continued, and fails on the next call
-                    view = view[os.write(fd, view):]
+                    view = view[os.write(fd, view) :]
             except OSError:
                 self._broken = True
                 _cut_back(fd, start)
@@ -172,7 +179,9 @@ def iter_records(path: str | Path, logger=None) -> Iterator[dict]:
             try:
                 yield json.loads(line)
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise RecordFileError(f"{path}:{lineno}: damaged record ({exc}); move the file aside to regenerate its shard") from None
+                raise RecordFileError(
+                    f"{path}:{lineno}: damaged record ({exc}); move the file aside to regenerate its shard"
+                ) from None
 
 
 def read_records(path: str | Path, logger=None) -> list[dict]:

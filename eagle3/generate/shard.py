@@ -71,13 +71,26 @@ class ShardResult:
 
 
 def generation_key(model: str, gen: GenerationConfig, template_hash: str) -> str:
-    parts = {"model": model, "max_tokens": gen.max_tokens, "temperature": gen.temperature, "top_p": gen.top_p, "template": template_hash}
+    parts = {
+        "model": model,
+        "max_tokens": gen.max_tokens,
+        "temperature": gen.temperature,
+        "top_p": gen.top_p,
+        "template": template_hash,
+    }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def paths(out_dir: Path, shard_file: str) -> dict[str, Path]:
     stem = shard_file.removesuffix(".parquet")
-    names = {"ok": ".jsonl", "filtered": ".filtered.jsonl", "failed": ".failed.jsonl", "meta": ".meta.json", "done": ".done.json", "lock": ".lock"}
+    names = {
+        "ok": ".jsonl",
+        "filtered": ".filtered.jsonl",
+        "failed": ".failed.jsonl",
+        "meta": ".meta.json",
+        "done": ".done.json",
+        "lock": ".lock",
+    }
     return {k: out_dir / f"{stem}{suffix}" for k, suffix in names.items()}
 
 
@@ -90,7 +103,17 @@ def load_prompts(shard_path: Path) -> list[tuple[str, list[dict]]]:
 
 def _result_from_marker(p: dict[str, Path], shard_file: str, marker: dict) -> ShardResult:
     c = marker["counts"]
-    return ShardResult(shard_file, str(p["ok"]), c["in"], c["ok"], c["failed"], c["filtered"], c["retryable"], marker.get("errors", {}), True)
+    return ShardResult(
+        shard_file,
+        str(p["ok"]),
+        c["in"],
+        c["ok"],
+        c["failed"],
+        c["filtered"],
+        c["retryable"],
+        marker.get("errors", {}),
+        True,
+    )
 
 
 def _current_marker(p: dict[str, Path], key: str, input_sha: str) -> dict | None:
@@ -101,7 +124,9 @@ def _current_marker(p: dict[str, Path], key: str, input_sha: str) -> dict | None
     return marker if ok else None
 
 
-def is_complete(shard_path: str | Path, out_dir: str | Path, gen: GenerationConfig, model: str, template_hash: str = "") -> bool:
+def is_complete(
+    shard_path: str | Path, out_dir: str | Path, gen: GenerationConfig, model: str, template_hash: str = ""
+) -> bool:
     """Whether the shard's marker matches its prompts and the generation key (nothing to send)."""
     shard_path = Path(shard_path)
     p = paths(Path(out_dir), shard_path.name)
@@ -118,7 +143,9 @@ def _set_aside_stale(p: dict[str, Path], key: str, log) -> None:
     for name in ("ok", "filtered", "failed", "done"):
         if p[name].exists():
             shutil.move(str(p[name]), stale / p[name].name)
-    log.warning("%s: generation settings changed (key %s -> %s); earlier records moved to %s", p["ok"].name, old, key, stale)
+    log.warning(
+        "%s: generation settings changed (key %s -> %s); earlier records moved to %s", p["ok"].name, old, key, stale
+    )
 
 
 class _Run:
@@ -143,7 +170,14 @@ class _Run:
         body = {"model": self.model, "messages": messages, **self.sampling, "return_token_ids": True}
         result, failure, attempts, latency = await request_with_retries(self.pool, body, self.gen, self.stats, rng)
         if failure is not None:
-            record = {"id": pid, "error_kind": failure.kind, "message": failure.message, "attempts": attempts, "transient": failure.transient, "at": time.time()}
+            record = {
+                "id": pid,
+                "error_kind": failure.kind,
+                "message": failure.message,
+                "attempts": attempts,
+                "transient": failure.transient,
+                "at": time.time(),
+            }
             await self.write("failed", record)
             self.failed[pid] = record
             self.stats.failed += 1
@@ -153,7 +187,9 @@ class _Run:
         self.stats.completion_tokens += len(result["completion_token_ids"] or [])
         # A record counts once it is on disk: a write that fails raises before the id is counted.
         if result["finish_reason"] == "length" and not self.gen.keep_truncated:
-            await self.write("filtered", {**record, "reason": "truncated: finish_reason=length and generation.keep_truncated=false"})
+            await self.write(
+                "filtered", {**record, "reason": "truncated: finish_reason=length and generation.keep_truncated=false"}
+            )
             self.stats.filtered += 1
             self.filtered_ids.add(pid)
         else:
@@ -192,8 +228,15 @@ def _done_ids(p: dict[str, Path], log) -> tuple[set[str], set[str]]:
 
 
 async def generate_shard(
-    shard_path: str | Path, out_dir: str | Path, gen: GenerationConfig, model: str, pool: EndpointPool,
-    template_hash: str = "", logger=None, progress: Callable[[dict], None] | None = None, progress_every_s: float = 10.0,
+    shard_path: str | Path,
+    out_dir: str | Path,
+    gen: GenerationConfig,
+    model: str,
+    pool: EndpointPool,
+    template_hash: str = "",
+    logger=None,
+    progress: Callable[[dict], None] | None = None,
+    progress_every_s: float = 10.0,
     concurrency: int | None = None,
 ) -> ShardResult:
     """Generate every prompt of one shard that is not on disk yet; see the module docstring."""
@@ -211,19 +254,49 @@ async def generate_shard(
         prompts = load_prompts(shard_path)  # a shard with the wrong columns stops here, before anything moves
         _set_aside_stale(p, key, log)
         with writing(p["meta"], "generate"):
-            atomic_write_json(p["meta"], {"key": key, "model": model, "sampling": {"max_tokens": gen.max_tokens, "temperature": gen.temperature, "top_p": gen.top_p}})
+            atomic_write_json(
+                p["meta"],
+                {
+                    "key": key,
+                    "model": model,
+                    "sampling": {"max_tokens": gen.max_tokens, "temperature": gen.temperature, "top_p": gen.top_p},
+                },
+            )
         remove_inside(p["done"], out_dir)
         ok_ids, filtered_ids = _done_ids(p, log)
         workers = concurrency or gen.concurrency
-        return await _generate(p, shard_path.name, prompts, ok_ids, filtered_ids, gen, model, pool, key, input_sha, log, progress, progress_every_s, workers)
+        return await _generate(
+            p,
+            shard_path.name,
+            prompts,
+            ok_ids,
+            filtered_ids,
+            gen,
+            model,
+            pool,
+            key,
+            input_sha,
+            log,
+            progress,
+            progress_every_s,
+            workers,
+        )
     finally:
         lock.close()
 
 
-async def _generate(p, shard_file, prompts, ok_ids, filtered_ids, gen, model, pool, key, input_sha, log, progress, every_s, workers) -> ShardResult:
+async def _generate(
+    p, shard_file, prompts, ok_ids, filtered_ids, gen, model, pool, key, input_sha, log, progress, every_s, workers
+) -> ShardResult:
     ids = [i for i, _ in prompts]
     stats = Stats(total=len(ids), skipped=len(ok_ids | filtered_ids))
-    log.info("%s: %d prompts, %d already on disk, deadline %.0f s per request", p["ok"].name, len(ids), stats.skipped, deadline_s(gen))
+    log.info(
+        "%s: %d prompts, %d already on disk, deadline %.0f s per request",
+        p["ok"].name,
+        len(ids),
+        stats.skipped,
+        deadline_s(gen),
+    )
     writers = {k: JsonlAppender(p[k], gen.fsync_every, what="generate") for k in ("ok", "filtered", "failed")}
     run = _Run(prompts, ok_ids, filtered_ids, gen, model, pool, writers, stats, log)
     reporter = asyncio.create_task(_report(stats, every_s, progress)) if progress else None
@@ -267,9 +340,14 @@ def _finish(p, shard_file, ids, run: _Run, key, input_sha, log, progress) -> Sha
     failed = {i: r for i, r in run.failed.items() if i not in ok_ids and i not in filtered_ids}
     lost = wanted - ok_ids - filtered_ids - set(failed)
     if lost:  # cannot happen unless records vanish underneath us; say so rather than undercount
-        raise RuntimeError(f"{p['ok'].name}: {len(lost)} prompts have neither a record nor a failure (e.g. {sorted(lost)[:3]})")
+        raise RuntimeError(
+            f"{p['ok'].name}: {len(lost)} prompts have neither a record nor a failure (e.g. {sorted(lost)[:3]})"
+        )
     counts = {
-        "in": len(wanted), "ok": len(ok_ids & wanted), "filtered": len(filtered_ids & wanted), "failed": len(failed),
+        "in": len(wanted),
+        "ok": len(ok_ids & wanted),
+        "filtered": len(filtered_ids & wanted),
+        "failed": len(failed),
         "retryable": sum(1 for r in failed.values() if r["transient"]),
     }
     errors: dict[str, int] = {}
@@ -277,8 +355,37 @@ def _finish(p, shard_file, ids, run: _Run, key, input_sha, log, progress) -> Sha
         errors[r["error_kind"]] = errors.get(r["error_kind"], 0) + 1
     snapshot = run.stats.snapshot()
     with writing(p["done"], "generate"):
-        atomic_write_json(p["done"], {"key": key, "input_sha256": input_sha, "counts": counts, "errors": errors, "retries": snapshot["retries"], "stats": snapshot})
+        atomic_write_json(
+            p["done"],
+            {
+                "key": key,
+                "input_sha256": input_sha,
+                "counts": counts,
+                "errors": errors,
+                "retries": snapshot["retries"],
+                "stats": snapshot,
+            },
+        )
     if progress:
         progress(snapshot)
-    log.info("%s: ok=%d filtered=%d failed=%d (retryable %d) of %d; %s", p["ok"].name, counts["ok"], counts["filtered"], counts["failed"], counts["retryable"], counts["in"], snapshot)
-    return ShardResult(shard_file, str(p["ok"]), counts["in"], counts["ok"], counts["failed"], counts["filtered"], counts["retryable"], errors, False)
+    log.info(
+        "%s: ok=%d filtered=%d failed=%d (retryable %d) of %d; %s",
+        p["ok"].name,
+        counts["ok"],
+        counts["filtered"],
+        counts["failed"],
+        counts["retryable"],
+        counts["in"],
+        snapshot,
+    )
+    return ShardResult(
+        shard_file,
+        str(p["ok"]),
+        counts["in"],
+        counts["ok"],
+        counts["failed"],
+        counts["filtered"],
+        counts["retryable"],
+        errors,
+        False,
+    )

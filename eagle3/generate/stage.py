@@ -90,13 +90,24 @@ def record(config: PipelineConfig, summary: dict, model: str, server: dict | Non
         error = (
             f"generate: {summary['failed']} of {summary['in']} prompts failed ({fraction:.2%}; "
             f"generation.max_failure_fraction={gen.max_failure_fraction}); errors by kind: {summary['errors']}; "
-            f"incomplete shards: {summary['incomplete_shards'] or 'none'}. Rerunning resumes: finished samples are kept."
+            f"incomplete shards: {summary['incomplete_shards'] or 'none'}. Rerunning resumes: finished samples "
+            "are kept."
         )
     reasons = {"truncated": summary["filtered"]} if summary["filtered"] else {}
-    counts = StageCounts(summary["in"], summary["ok"], summary["failed"], summary["filtered"], {**reasons, **summary["errors"]})
+    counts = StageCounts(
+        summary["in"], summary["ok"], summary["failed"], summary["filtered"], {**reasons, **summary["errors"]}
+    )
     entry = record_stage(
-        config.run_dir, STAGE, counts, status="failed" if error else "ok", error=error, model=model,
-        config_hash=section_hash(gen), deadline_s=deadline_s(gen), versions=versions("openai", "httpx"), **(server or {}),
+        config.run_dir,
+        STAGE,
+        counts,
+        status="failed" if error else "ok",
+        error=error,
+        model=model,
+        config_hash=section_hash(gen),
+        deadline_s=deadline_s(gen),
+        versions=versions("openai", "httpx"),
+        **(server or {}),
     )
     if error:
         raise GenerationFailed(error)

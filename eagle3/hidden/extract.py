@@ -44,7 +44,9 @@ def default_layer_ids(num_layers: int) -> list[int]:
         return ids
     ids = [1, num_layers // 2, num_layers - 1]
     if len(set(ids)) != 3 or min(ids) < 1:
-        raise LayerIdError(f"a target with {num_layers} layers has no three distinct auxiliary layers; set hidden_states.layer_ids")
+        raise LayerIdError(
+            f"a target with {num_layers} layers has no three distinct auxiliary layers; set hidden_states.layer_ids"
+        )
     return ids
 
 
@@ -52,7 +54,10 @@ def resolve_layer_ids(configured: list[int] | None, num_layers: int) -> list[int
     ids = list(configured) if configured else default_layer_ids(num_layers)
     bad = [i for i in ids if not 1 <= i <= num_layers]
     if bad:
-        raise LayerIdError(f"hidden_states.layer_ids {ids}: {bad} outside 1..{num_layers} (the target has {num_layers} decoder layers; vLLM numbering)")
+        raise LayerIdError(
+            f"hidden_states.layer_ids {ids}: {bad} outside 1..{num_layers} (the target has {num_layers} decoder "
+            "layers; vLLM numbering)"
+        )
     return ids
 
 
@@ -91,12 +96,20 @@ class Placement:
 class HFExtractor:
     """A transformers target with hooks on the layers EAGLE-3 reads."""
 
-    def __init__(self, model_path: str, layer_ids: list[int] | None = None, dtype: str = "bfloat16", placement: Placement | None = None):
+    def __init__(
+        self,
+        model_path: str,
+        layer_ids: list[int] | None = None,
+        dtype: str = "bfloat16",
+        placement: Placement | None = None,
+    ):
         from transformers import AutoModelForCausalLM
 
         placement = placement or Placement.for_replica(0, 1)
         self.model_path = model_path
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype], device_map=placement.device_map)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=DTYPES[dtype], device_map=placement.device_map
+        )
         self.model.eval()
         self.device = placement.input_device
         self.decoder = self.model.get_decoder()
@@ -141,7 +154,9 @@ _CACHE: dict[tuple, HFExtractor] = {}
 _CACHE_LOCK = threading.Lock()
 
 
-def cached_extractor(model_path: str, layer_ids: list[int], dtype: str, replica: int = 0, replicas: int = 1) -> HFExtractor:
+def cached_extractor(
+    model_path: str, layer_ids: list[int], dtype: str, replica: int = 0, replicas: int = 1
+) -> HFExtractor:
     """One loaded target per (model, layers, dtype, replica) in this process: shard tasks reuse it
     instead of loading a multi-GB model per shard."""
     key = (model_path, tuple(layer_ids), dtype, replica, replicas)

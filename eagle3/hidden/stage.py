@@ -55,8 +55,11 @@ def _paths(run_dir: Path, shard: str) -> dict[str, Path]:
     stem = shard.removesuffix(".parquet")
     out = run_dir / "hidden_states"
     return {
-        "tokenized": run_dir / "tokenized" / shard, "tok_done": run_dir / "tokenized" / f"{stem}.done.json",
-        "states": out / f"{stem}.safetensors", "index": out / f"{stem}.index.json", "done": out / f"{stem}.done.json",
+        "tokenized": run_dir / "tokenized" / shard,
+        "tok_done": run_dir / "tokenized" / f"{stem}.done.json",
+        "states": out / f"{stem}.safetensors",
+        "index": out / f"{stem}.index.json",
+        "done": out / f"{stem}.done.json",
     }
 
 
@@ -68,7 +71,9 @@ def _key(config: PipelineConfig, tokenized_sha: str, fingerprint: str, layer_ids
 
 def _tokenized(p: dict, shard: str) -> tuple[list[str], list[list[int]]]:
     if not p["tok_done"].exists():
-        raise ExtractInputError(f"{p['tok_done']} not found: shard {shard} has not been tokenized (run `eagle3 tokenize`)")
+        raise ExtractInputError(
+            f"{p['tok_done']} not found: shard {shard} has not been tokenized (run `eagle3 tokenize`)"
+        )
     try:
         table = pq.read_table(p["tokenized"], columns=["id", "input_ids", "num_tokens"])
     except Exception as exc:
@@ -93,7 +98,9 @@ class Plan:
 
     @property
     def bytes_needed(self) -> int:
-        return int(sum(states_bytes(self.tokens[s], self.hidden_size) for s, d in self.done.items() if not d) * DISK_MARGIN)
+        return int(
+            sum(states_bytes(self.tokens[s], self.hidden_size) for s, d in self.done.items() if not d) * DISK_MARGIN
+        )
 
 
 def plan(config: PipelineConfig, shards: list[str]) -> Plan:
@@ -101,7 +108,14 @@ def plan(config: PipelineConfig, shards: list[str]) -> Plan:
     Every shard is checked first (its hash, its columns, the tokenizer it was made with), so a
     bad input stops the stage before any forward pass."""
     from eagle3.hidden.extract import model_fingerprint, num_layers_of, resolve_layer_ids
-    from eagle3.schemas import TOKENIZED_IDS, TOKENIZED_INPUT_IDS, TOKENIZED_NUM_TOKENS, check_schema, check_tokenizer, tokenizer_hash
+    from eagle3.schemas import (
+        TOKENIZED_IDS,
+        TOKENIZED_INPUT_IDS,
+        TOKENIZED_NUM_TOKENS,
+        check_schema,
+        check_tokenizer,
+        tokenizer_hash,
+    )
     from eagle3.tokenize.stage import tokenizer_path
 
     path, tok_path = model_path(config), tokenizer_path(config)
@@ -113,11 +127,15 @@ def plan(config: PipelineConfig, shards: list[str]) -> Plan:
     for shard in shards:
         p = _paths(Path(config.run_dir), shard)
         if not p["tok_done"].exists():
-            raise ExtractInputError(f"{p['tok_done']} not found: shard {shard} has not been tokenized (run `eagle3 tokenize`)")
+            raise ExtractInputError(
+                f"{p['tok_done']} not found: shard {shard} has not been tokenized (run `eagle3 tokenize`)"
+            )
         marker = read_json(p["tok_done"])
         if not p["tokenized"].exists() or sha256_file(p["tokenized"]) != marker["parquet_sha256"]:
-            raise ExtractInputError(f"{p['tokenized']} is missing or differs from what the tokenize stage wrote (its hash is in "
-                                    f"{p['tok_done'].name}): truncated or replaced; run `eagle3 tokenize` again")
+            raise ExtractInputError(
+                f"{p['tokenized']} is missing or differs from what the tokenize stage wrote (its hash is in "
+                f"{p['tok_done'].name}): truncated or replaced; run `eagle3 tokenize` again"
+            )
         check_schema(p["tokenized"], (TOKENIZED_IDS, TOKENIZED_INPUT_IDS, TOKENIZED_NUM_TOKENS), "tokenized shard")
         check_tokenizer(marker, p["tok_done"], tok_path, tok_hash, "extract")
         keys[shard] = _key(config, marker["parquet_sha256"], fingerprint, layer_ids)
@@ -144,9 +162,12 @@ def check_disk(config: PipelineConfig, the_plan: Plan) -> None:
     if free < need:
         missing = sum(1 for d in the_plan.done.values() if not d)
         raise DiskSpaceError(
-            f"extract: the states of {missing} shards need {_gib(need)} ({sum(t for s, t in the_plan.tokens.items() if not the_plan.done[s])} tokens "
-            f"x 4 x {the_plan.hidden_size} x 2 bytes, +{round((DISK_MARGIN - 1) * 100)}%) but {out} has only {_gib(free)} free. "
-            "Free space, point run_dir at a larger disk, or set hidden_states.mode=\"online\" to compute states inside training."
+            f"extract: the states of {missing} shards need {_gib(need)} "
+            f"({sum(t for s, t in the_plan.tokens.items() if not the_plan.done[s])} tokens "
+            f"x 4 x {the_plan.hidden_size} x 2 bytes, +{round((DISK_MARGIN - 1) * 100)}%) "
+            f"but {out} has only {_gib(free)} free. "
+            'Free space, point run_dir at a larger disk, or set hidden_states.mode="online" '
+            "to compute states inside training."
         )
 
 
@@ -154,7 +175,9 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB ({n} bytes)"
 
 
-def extract_shard(config: PipelineConfig, shard: str, the_plan: Plan, replica: int = 0, logger=None, progress=None) -> ExtractResult:
+def extract_shard(
+    config: PipelineConfig, shard: str, the_plan: Plan, replica: int = 0, logger=None, progress=None
+) -> ExtractResult:
     """Extract one shard's states (skipped when its marker matches). ``progress(fraction)`` is
     called as samples are written (the Prefect task moves a progress artifact with it)."""
     log = logger or logging.getLogger(__name__)
@@ -167,8 +190,16 @@ def extract_shard(config: PipelineConfig, shard: str, the_plan: Plan, replica: i
     ids, seqs = _tokenized(p, shard)
     started = time.perf_counter()
     hs = config.hidden_states
-    meta = {"model": config.server.model, "layer_ids": json.dumps(the_plan.layer_ids), "hidden_size": str(the_plan.hidden_size), "shard": shard}
-    with writing(p["states"], "extract"), StatesWriter(p["states"], [len(s) for s in seqs], the_plan.hidden_size, meta) as writer:
+    meta = {
+        "model": config.server.model,
+        "layer_ids": json.dumps(the_plan.layer_ids),
+        "hidden_size": str(the_plan.hidden_size),
+        "shard": shard,
+    }
+    with (
+        writing(p["states"], "extract"),
+        StatesWriter(p["states"], [len(s) for s in seqs], the_plan.hidden_size, meta) as writer,
+    ):
         if hs.backend == "vllm":
             _fill_with_vllm(config, shard, ids, seqs, the_plan, writer, log)
         else:
@@ -176,15 +207,42 @@ def extract_shard(config: PipelineConfig, shard: str, the_plan: Plan, replica: i
         writer.commit()
     tokens = sum(len(s) for s in seqs)
     seconds = time.perf_counter() - started
-    atomic_write_json(p["index"], {"shard": shard, "ids": ids, "num_tokens": [len(s) for s in seqs], "layer_ids": the_plan.layer_ids,
-                                   "hidden_size": the_plan.hidden_size, "model": config.server.model, "dtype": "bfloat16"})
+    atomic_write_json(
+        p["index"],
+        {
+            "shard": shard,
+            "ids": ids,
+            "num_tokens": [len(s) for s in seqs],
+            "layer_ids": the_plan.layer_ids,
+            "hidden_size": the_plan.hidden_size,
+            "model": config.server.model,
+            "dtype": "bfloat16",
+        },
+    )
     result = ExtractResult(shard, str(p["states"]), len(ids), len(ids), tokens, round(seconds, 3), False)
-    atomic_write_json(p["done"], {"key": key, "bytes": p["states"].stat().st_size, "result": {k: v for k, v in result.__dict__.items() if k != "skipped"}})
-    log.info("%s: %d samples, %d tokens -> %s in %.1f s (%.0f tokens/s)", shard, len(ids), tokens, p["states"], seconds, tokens / max(seconds, 1e-9))
+    atomic_write_json(
+        p["done"],
+        {
+            "key": key,
+            "bytes": p["states"].stat().st_size,
+            "result": {k: v for k, v in result.__dict__.items() if k != "skipped"},
+        },
+    )
+    log.info(
+        "%s: %d samples, %d tokens -> %s in %.1f s (%.0f tokens/s)",
+        shard,
+        len(ids),
+        tokens,
+        p["states"],
+        seconds,
+        tokens / max(seconds, 1e-9),
+    )
     return result
 
 
-def _fill_with_hf(config, seqs, the_plan: Plan, writer: StatesWriter, replica: int, log, shard: str, progress=None) -> None:
+def _fill_with_hf(
+    config, seqs, the_plan: Plan, writer: StatesWriter, replica: int, log, shard: str, progress=None
+) -> None:
     from eagle3.hidden.extract import cached_extractor
 
     hs = config.hidden_states
@@ -222,12 +280,22 @@ def _fill_with_vllm(config, shard: str, ids, seqs, the_plan: Plan, writer: State
         for n, chunk in enumerate(chunks):
             log.info("%s: vLLM extraction, chunk %d/%d (%d samples)", shard, n + 1, len(chunks), len(chunk))
             work.mkdir(parents=True, exist_ok=True)
-            states = extract_with_vllm(config.server.python or sys.executable, model_path(config), layers, [(ids[k], seqs[k]) for k in chunk], work,
-                                       hs.timeout_s, env=dict(config.server.env), log=log)
+            states = extract_with_vllm(
+                config.server.python or sys.executable,
+                model_path(config),
+                layers,
+                [(ids[k], seqs[k]) for k in chunk],
+                work,
+                hs.timeout_s,
+                env=dict(config.server.env),
+                log=log,
+            )
             for k in chunk:
                 h = torch.from_numpy(states.pop(ids[k]))  # [T, 4, H]
                 if h.shape[0] != len(seqs[k]):
-                    raise StatesError(f"{shard}: vLLM returned {h.shape[0]} positions for {ids[k]!r}, which has {len(seqs[k])} tokens")
+                    raise StatesError(
+                        f"{shard}: vLLM returned {h.shape[0]} positions for {ids[k]!r}, which has {len(seqs[k])} tokens"
+                    )
                 writer.write(k, h[:, :3, :].reshape(h.shape[0], -1), h[:, 3, :])
     finally:
         remove_inside(work, config.run_dir, ignore_errors=True)
@@ -241,8 +309,14 @@ def _num_layers(config: PipelineConfig) -> int:
 
 def write_online(config: PipelineConfig, the_plan: Plan, shards: list[str]) -> dict:
     """Online mode: the settings training extracts with, checked against the target now."""
-    settings = {"model": config.server.model, "layer_ids": the_plan.layer_ids, "hidden_size": the_plan.hidden_size,
-                "dtype": config.hidden_states.dtype, "shards": shards, "tokens": sum(the_plan.tokens.values())}
+    settings = {
+        "model": config.server.model,
+        "layer_ids": the_plan.layer_ids,
+        "hidden_size": the_plan.hidden_size,
+        "dtype": config.hidden_states.dtype,
+        "shards": shards,
+        "tokens": sum(the_plan.tokens.values()),
+    }
     atomic_write_json(Path(config.run_dir) / "hidden_states" / "online.json", settings)
     return settings
 
@@ -252,10 +326,19 @@ def record(config: PipelineConfig, results: list[ExtractResult], the_plan: Plan)
 
     counts = StageCounts(sum(r.in_ for r in results), sum(r.ok for r in results))
     return record_stage(
-        config.run_dir, "extract", counts, status="ok", mode=config.hidden_states.mode, backend=config.hidden_states.backend,
-        layer_ids=the_plan.layer_ids, hidden_size=the_plan.hidden_size, tokens=sum(r.tokens for r in results),
+        config.run_dir,
+        "extract",
+        counts,
+        status="ok",
+        mode=config.hidden_states.mode,
+        backend=config.hidden_states.backend,
+        layer_ids=the_plan.layer_ids,
+        hidden_size=the_plan.hidden_size,
+        tokens=sum(r.tokens for r in results),
         bytes=sum(Path(r.path).stat().st_size for r in results if r.path and Path(r.path).is_file()),
-        config_hash=section_hash(config.hidden_states), model_fingerprint=the_plan.fingerprint, versions=versions("torch", "transformers", "safetensors"),
+        config_hash=section_hash(config.hidden_states),
+        model_fingerprint=the_plan.fingerprint,
+        versions=versions("torch", "transformers", "safetensors"),
     )
 
 

@@ -46,7 +46,11 @@ class StatesWriter:
         total = int(self.offsets[-1])
         sizes = {"offsets": self.offsets.nbytes, "aux": total * 3 * hidden * 2, "last": total * hidden * 2}
         header, start = {}, 0
-        for name, dtype, shape in (("offsets", "I64", [len(lengths) + 1]), ("aux", "BF16", [total, 3 * hidden]), ("last", "BF16", [total, hidden])):
+        for name, dtype, shape in (
+            ("offsets", "I64", [len(lengths) + 1]),
+            ("aux", "BF16", [total, 3 * hidden]),
+            ("last", "BF16", [total, hidden]),
+        ):
             header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [start, start + sizes[name]]}
             start += sizes[name]
         header["__metadata__"] = {"format": FORMAT, **(metadata or {})}
@@ -71,11 +75,16 @@ class StatesWriter:
     def write(self, k: int, aux: torch.Tensor, last: torch.Tensor) -> None:
         n = int(self.offsets[k + 1] - self.offsets[k])
         if tuple(aux.shape) != (n, 3 * self.hidden) or tuple(last.shape) != (n, self.hidden):
-            raise StatesError(f"{self.path.name}: sample {k} expects aux [{n}, {3 * self.hidden}] and last [{n}, {self.hidden}], "
-                              f"got {list(aux.shape)} and {list(last.shape)}")
+            raise StatesError(
+                f"{self.path.name}: sample {k} expects aux [{n}, {3 * self.hidden}] and last [{n}, {self.hidden}], "
+                f"got {list(aux.shape)} and {list(last.shape)}"
+            )
         aux, last = aux.to(torch.bfloat16).contiguous().cpu(), last.to(torch.bfloat16).contiguous().cpu()
         if not (torch.isfinite(aux).all() and torch.isfinite(last).all()):
-            raise StatesError(f"{self.path.name}: sample {k} has non-finite hidden states (inf or nan) -- the target overflowed in this dtype")
+            raise StatesError(
+                f"{self.path.name}: sample {k} has non-finite hidden states (inf or nan) -- the target "
+                "overflowed in this dtype"
+            )
         row = int(self.offsets[k])
         os.pwrite(self._fd, aux.view(torch.int16).numpy().tobytes(), self._starts["aux"] + row * 3 * self.hidden * 2)
         os.pwrite(self._fd, last.view(torch.int16).numpy().tobytes(), self._starts["last"] + row * self.hidden * 2)
@@ -86,7 +95,9 @@ class StatesWriter:
         missing = np.flatnonzero(~self._written)
         if len(missing):
             self.abort()
-            raise StatesError(f"{self.path.name}: {len(missing)} samples were never written (first: {missing[:5].tolist()})")
+            raise StatesError(
+                f"{self.path.name}: {len(missing)} samples were never written (first: {missing[:5].tolist()})"
+            )
         os.fsync(self._fd)
         os.close(self._fd)
         self._fd = None

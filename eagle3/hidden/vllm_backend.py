@@ -74,8 +74,7 @@ def extract_with_vllm(
     request = {
         "model": str(model),
         "layer_ids": [int(i) for i in layer_ids],
-        "samples": [{"id": sample_id, "input_ids": [int(t) for t in tokens]}
-                    for sample_id, tokens in samples],
+        "samples": [{"id": sample_id, "input_ids": [int(t) for t in tokens]} for sample_id, tokens in samples],
         "output": str(output.absolute()),
         "max_model_len": int(max_model_len or longest + 1),
     }
@@ -104,7 +103,9 @@ def render(tail) -> str:
     return ("\n--- last vLLM worker output ---\n" + "\n".join(lines)) if lines else ""
 
 
-def run_worker(command: list[str], env: dict | None, timeout_s: float, log, pidfile: Path | None = None) -> collections.deque:
+def run_worker(
+    command: list[str], env: dict | None, timeout_s: float, log, pidfile: Path | None = None
+) -> collections.deque:
     """Run the worker in its own process group; return its last output lines.
 
     stdout and stderr share one pipe (vLLM logs to both), read by a thread that
@@ -124,8 +125,15 @@ def run_worker(command: list[str], env: dict | None, timeout_s: float, log, pidf
     began = time.monotonic()
     try:
         proc = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=full_env, start_new_session=True, text=True, errors="replace", bufsize=1,
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=full_env,
+            start_new_session=True,
+            text=True,
+            errors="replace",
+            bufsize=1,
         )
     except OSError as exc:
         raise VllmExtractError(f"cannot start the vLLM worker with {command[0]}: {exc}") from exc

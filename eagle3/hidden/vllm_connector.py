@@ -95,9 +95,7 @@ class SyncHiddenStatesConnector(ExampleHiddenStatesConnector):
         write_atomically(tensors, pending.filename)
         self._saved.add(pending.req_id)
 
-    def get_finished(
-        self, finished_req_ids: set[str]
-    ) -> tuple[set[str] | None, set[str] | None]:
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.has_connector_metadata():
             meta = self._get_connector_metadata()
             if isinstance(meta, ExampleHiddenStatesConnectorMetadata):

@@ -60,8 +60,11 @@ def load_request(path: str) -> dict:
         if key not in request:
             raise WorkerError(f"request {path} lacks {key!r}")
     layer_ids = request["layer_ids"]
-    if (not isinstance(layer_ids, list) or not layer_ids
-            or not all(isinstance(i, int) and not isinstance(i, bool) for i in layer_ids)):
+    if (
+        not isinstance(layer_ids, list)
+        or not layer_ids
+        or not all(isinstance(i, int) and not isinstance(i, bool) for i in layer_ids)
+    ):
         raise WorkerError(f"layer_ids must be a non-empty list of integers, got {layer_ids!r}")
     samples = request["samples"]
     if not isinstance(samples, list) or not samples:
@@ -122,12 +125,11 @@ def put_connector_on_path() -> None:
 def build_engine(request: dict, vllm_ids: list[int], parts_dir: Path):
     try:
         import vllm  # noqa: F401
-        from vllm import LLM
         import vllm_connector  # noqa: F401  (fails early with a clear message if vLLM moved)
+        from vllm import LLM
     except Exception as exc:  # noqa: BLE001 - any import failure means an unusable vLLM
         raise WorkerError(
-            f"vLLM's hidden-state extraction API is not as expected (import failed: "
-            f"{type(exc).__name__}: {exc})"
+            f"vLLM's hidden-state extraction API is not as expected (import failed: {type(exc).__name__}: {exc})"
         ) from exc
 
     speculative_config = {
@@ -201,10 +203,7 @@ def drain(llm, paths: list[str], deadline: float) -> None:
         if not missing:
             return
         if time.monotonic() > deadline:
-            raise WorkerError(
-                f"{len(missing)} of {len(paths)} hidden-state files never appeared "
-                f"(first: {missing[0]})"
-            )
+            raise WorkerError(f"{len(missing)} of {len(paths)} hidden-state files never appeared (first: {missing[0]})")
         if stepping:
             engine.step()
         else:
@@ -227,18 +226,14 @@ def collect(request: dict, paths: list[str], order: list[int]) -> dict:
         states, token_ids = data["hidden_states"], data["token_ids"].to(torch.int64)
         expected = list(sample["input_ids"])
         if states.dim() != 3 or states.shape[1] != width:
-            raise WorkerError(
-                f"sample {k}: hidden states shaped {tuple(states.shape)}, expected [T, {width}, H]"
-            )
+            raise WorkerError(f"sample {k}: hidden states shaped {tuple(states.shape)}, expected [T, {width}, H]")
         if states.shape[0] != len(expected):
             raise WorkerError(
                 f"sample {k} ({sample.get('id')!r}): vLLM captured {states.shape[0]} positions "
                 f"for a {len(expected)}-token prompt"
             )
         if token_ids.tolist() != expected:
-            raise WorkerError(
-                f"sample {k} ({sample.get('id')!r}): the token ids vLLM saw differ from the request"
-            )
+            raise WorkerError(f"sample {k} ({sample.get('id')!r}): the token ids vLLM saw differ from the request")
         picked = states.index_select(1, torch.tensor(order, dtype=torch.long))
         tensors[f"h.{k}"] = picked.to(torch.float32).contiguous()
         tensors[f"ids.{k}"] = token_ids.contiguous()
@@ -296,6 +291,7 @@ def run(request_path: str) -> None:
 
         try:
             from vllm.inputs import TokensPrompt
+
             prompts = [TokensPrompt(prompt_token_ids=list(s["input_ids"])) for s in request["samples"]]
         except ImportError:
             prompts = [{"prompt_token_ids": list(s["input_ids"])} for s in request["samples"]]

@@ -36,7 +36,7 @@ def normalise(text: str) -> str:
 
 def shingles(norm: str) -> np.ndarray:
     """The set of character 5-grams, as sorted unique CRC-32 values (4 bytes each: a 50k kept set stays ~40 MB)."""
-    grams = [norm] if len(norm) <= SHINGLE else [norm[i:i + SHINGLE] for i in range(len(norm) - SHINGLE + 1)]
+    grams = [norm] if len(norm) <= SHINGLE else [norm[i : i + SHINGLE] for i in range(len(norm) - SHINGLE + 1)]
     return np.unique(np.fromiter((zlib.crc32(g.encode()) for g in grams), dtype=np.uint32, count=len(grams)))
 
 
@@ -55,7 +55,7 @@ def band_rows(threshold: float) -> int:
     """Rows per LSH band: the widest band that still finds a pair at ``threshold`` with probability > 1 - MAX_MISS."""
     for rows in range(8, 0, -1):
         bands = NUM_PERM // rows
-        if (1.0 - threshold ** rows) ** bands <= MAX_MISS:
+        if (1.0 - threshold**rows) ** bands <= MAX_MISS:
             return rows
     return 1
 
@@ -79,7 +79,7 @@ class NearDuplicates:
         self._buckets: list[dict[bytes, list[int]]] = [defaultdict(list) for _ in range(self.bands)]
 
     def _band_keys(self, sig: np.ndarray) -> list[bytes]:
-        return [sig[b * self.rows:(b + 1) * self.rows].tobytes() for b in range(self.bands)]
+        return [sig[b * self.rows : (b + 1) * self.rows].tobytes() for b in range(self.bands)]
 
     def check(self, text: str) -> tuple[Match | None, tuple]:
         """(the kept text it duplicates, or None; a token to pass to ``add``)."""

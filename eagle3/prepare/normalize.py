@@ -62,14 +62,20 @@ def _schema_fields(row: dict) -> tuple[str, list, str, str]:
     if "messages" in row:
         return "messages", row["messages"], "role", "content"
     keys = ", ".join(sorted(map(str, row))) or "none"
-    raise Rejected("no_conversation", f"row has neither 'conversations' (ShareGPT) nor 'messages' (OpenAI); keys: {keys}")
+    raise Rejected(
+        "no_conversation", f"row has neither 'conversations' (ShareGPT) nor 'messages' (OpenAI); keys: {keys}"
+    )
 
 
 def _text_of(content: Any, where: str) -> str:
     """String content, or OpenAI content parts that are all text."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and content and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+    if (
+        isinstance(content, list)
+        and content
+        and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content)
+    ):
         return "".join(p["text"] for p in content)
     raise Rejected("non_string_content", f"{where} content is {type(content).__name__}, not a string")
 

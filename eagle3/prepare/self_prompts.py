@@ -97,7 +97,8 @@ def make_plan(config: PipelineConfig) -> Plan:
     path = resolve_model(config.server.model)
     prefixes = tuple(derive_all(load_tokenizer(path), list(sp.system_prompts), config.server.model))
     decides = {
-        "model": config.server.model, "prefixes": [asdict(p) for p in prefixes],
+        "model": config.server.model,
+        "prefixes": [asdict(p) for p in prefixes],
         "sampling": sp.model_dump(include={"temperature", "top_p", "max_tokens", "n", "seed", "seeded"}),
     }
     key = hashlib.sha256(json.dumps(decides, sort_keys=True).encode()).hexdigest()[:16]
@@ -112,8 +113,13 @@ def request_seed(sp: SelfPromptsConfig, index: int) -> int | None:
 def request_body(plan: Plan, sp: SelfPromptsConfig, index: int, model: str) -> dict:
     turn = plan.prefixes[index % len(plan.prefixes)]
     body = {
-        "model": model, "prompt": turn.prefix, "max_tokens": sp.max_tokens, "temperature": sp.temperature,
-        "top_p": sp.top_p, "n": sp.n, "stop": [turn.stop],
+        "model": model,
+        "prompt": turn.prefix,
+        "max_tokens": sp.max_tokens,
+        "temperature": sp.temperature,
+        "top_p": sp.top_p,
+        "n": sp.n,
+        "stop": [turn.stop],
         "add_special_tokens": False,  # the prefix carries the template's BOS already
     }
     if sp.seeded:
@@ -170,7 +176,12 @@ class Selector:
         for k in range(self.sp.n):
             self.candidates += 1
             self.failed += 1
-            self._reject(record["request"], k, "request_failed", f"{failure['kind']}: {failure['message']} (after {record['attempts']} attempts)")
+            self._reject(
+                record["request"],
+                k,
+                "request_failed",
+                f"{failure['kind']}: {failure['message']} (after {record['attempts']} attempts)",
+            )
 
     def _reject(self, request: int, choice: int, kind: str, reason: str, text: str | None = None) -> None:
         self.reasons[kind] += 1
@@ -183,17 +194,29 @@ class Selector:
         i, raw = record["request"], choice["text"]
         text = raw.strip()
         if self.full:
-            return self._reject(i, k, "surplus", f"data.self_prompts.count={self.sp.count} prompts were kept already", raw)
+            return self._reject(
+                i, k, "surplus", f"data.self_prompts.count={self.sp.count} prompts were kept already", raw
+            )
         if choice["finish_reason"] == "length":
-            return self._reject(i, k, "too_long", f"ran to max_tokens={self.sp.max_tokens} without ending the user turn", raw)
+            return self._reject(
+                i, k, "too_long", f"ran to max_tokens={self.sp.max_tokens} without ending the user turn", raw
+            )
         if not text:
             return self._reject(i, k, "empty", "the user turn ended at once")
         if len(text) < self.sp.min_chars:
-            return self._reject(i, k, "too_short", f"{len(text)} characters < data.self_prompts.min_chars={self.sp.min_chars}", raw)
+            return self._reject(
+                i, k, "too_short", f"{len(text)} characters < data.self_prompts.min_chars={self.sp.min_chars}", raw
+            )
         match, token = self.dedup.check(text)
         if match is not None:
             other = self.kept[match.other]
-            return self._reject(i, k, match.kind, f"like kept request {other['request']} choice {other['choice']} (similarity {match.similarity:.2f})", raw)
+            return self._reject(
+                i,
+                k,
+                match.kind,
+                f"like kept request {other['request']} choice {other['choice']} (similarity {match.similarity:.2f})",
+                raw,
+            )
         self.dedup.add(len(self.kept), token)
         turn = self.plan.prefixes[i % len(self.plan.prefixes)]
         self.kept.append({"messages": turn.messages(text), "request": i, "choice": k})
@@ -202,7 +225,13 @@ class Selector:
         return len(self.kept) / self.requests if self.requests else float(self.sp.n)
 
     def counts(self) -> StageCounts:
-        return StageCounts(self.candidates, len(self.kept), self.failed, self.candidates - len(self.kept) - self.failed, dict(self.reasons))
+        return StageCounts(
+            self.candidates,
+            len(self.kept),
+            self.failed,
+            self.candidates - len(self.kept) - self.failed,
+            dict(self.reasons),
+        )
 
 
 # -- the raw answers on disk ------------------------------------------------------------------------
@@ -213,14 +242,25 @@ def finished_requests(path: Path, key: str, logger: logging.Logger) -> dict[int,
     done: dict[int, dict] = {}
     for record in iter_records(path, logger):
         if record.get("key") != key:
-            raise SelfPromptsError(f"{path}: a record of settings {record.get('key')!r} in the file of settings {key!r}; move the file aside")
+            raise SelfPromptsError(
+                f"{path}: a record of settings {record.get('key')!r} in the file of settings {key!r}; move the "
+                "file aside"
+            )
         if "failed" not in record:
             done.setdefault(record["request"], record)
     return done
 
 
-def _record(plan: Plan, sp: SelfPromptsConfig, index: int, result: dict | None, failure, attempts: int, latency: float) -> dict:
-    base = {"request": index, "key": plan.key, "system": index % len(plan.prefixes), "seed": request_seed(sp, index), "attempts": attempts}
+def _record(
+    plan: Plan, sp: SelfPromptsConfig, index: int, result: dict | None, failure, attempts: int, latency: float
+) -> dict:
+    base = {
+        "request": index,
+        "key": plan.key,
+        "system": index % len(plan.prefixes),
+        "seed": request_seed(sp, index),
+        "attempts": attempts,
+    }
     if failure is not None:
         return {**base, "failed": {"kind": failure.kind, "message": failure.message}}
     return {**base, "choices": result["choices"], "usage": result.get("usage"), "latency_s": round(latency, 3)}
@@ -258,14 +298,20 @@ class _Run:
     def want_more(self, next_index: int) -> bool:
         outstanding = next_index - self.frontier  # started or on disk, not yet judged
         expected = len(self.selector.kept) + outstanding * self.selector.yield_per_request()
-        return next_index < max_requests(self.sp) and expected < self.sp.count and len(self.in_flight) < self.sp.concurrency
+        return (
+            next_index < max_requests(self.sp)
+            and expected < self.sp.count
+            and len(self.in_flight) < self.sp.concurrency
+        )
 
     async def ask(self, index: int, gen: GenerationConfig) -> dict:
         body = request_body(self.plan, self.sp, index, self.model)
         rng = random.Random(f"{self.sp.seed}:{index}")  # backoff jitter, reproducible per request
         self.stats.in_flight += 1
         try:
-            result, failure, attempts, latency = await request_with_retries(self.pool, body, gen, self.stats, rng, route="completions")
+            result, failure, attempts, latency = await request_with_retries(
+                self.pool, body, gen, self.stats, rng, route="completions"
+            )
         finally:
             self.stats.in_flight -= 1
         return _record(self.plan, self.sp, index, result, failure, attempts, latency)
@@ -305,7 +351,13 @@ async def _collect(run: _Run, gen: GenerationConfig) -> None:
                 run.land(task.result())
             if time.monotonic() - last_log > PROGRESS_EVERY_S:
                 last_log = time.monotonic()
-                run.log.info("self_prompts: %d kept of %d wanted, %d requests asked, %d in flight", len(run.selector.kept), run.sp.count, run.asked, len(run.in_flight))
+                run.log.info(
+                    "self_prompts: %d kept of %d wanted, %d requests asked, %d in flight",
+                    len(run.selector.kept),
+                    run.sp.count,
+                    run.asked,
+                    len(run.in_flight),
+                )
     finally:
         for task in run.in_flight:  # only surplus would come back: cancel, they are not counted
             task.cancel()
@@ -344,31 +396,68 @@ def _finish(config: PipelineConfig, plan: Plan, run: _Run, log: logging.Logger) 
     counts = sel.counts()
     error = _error(config, counts)
     entry = record_stage(
-        config.run_dir, STAGE, counts, status="failed" if error else "ok", error=error, wanted=sp.count,
-        requests_judged=sel.requests, requests_asked=run.asked, requests_on_disk=len(run.finished),
-        raw_file=str(folder / plan.raw_file_name), prefixes=[asdict(p) for p in plan.prefixes], config_hash=section_hash(sp),
+        config.run_dir,
+        STAGE,
+        counts,
+        status="failed" if error else "ok",
+        error=error,
+        wanted=sp.count,
+        requests_judged=sel.requests,
+        requests_asked=run.asked,
+        requests_on_disk=len(run.finished),
+        raw_file=str(folder / plan.raw_file_name),
+        prefixes=[asdict(p) for p in plan.prefixes],
+        config_hash=section_hash(sp),
     )
     if error:
         raise SelfPromptsError(error)
     if len(sel.kept) < sp.count:
-        log.warning("self_prompts: only %d of %d wanted prompts passed the filters within %d requests (data.self_prompts.max_requests); "
-                    "reasons: %s", len(sel.kept), sp.count, max_requests(sp), dict(sel.reasons))
-    atomic_write_json(folder / MARKER, {"key": plan.key, "filters": _filters_hash(sp), "prompts_sha256": sha256_file(prompts_file(config.run_dir)), "counts": entry})
-    log.info("self_prompts: %d prompts kept of %d samples (%d requests, %d asked now); filtered %s", len(sel.kept), counts.in_, sel.requests, run.asked, dict(sel.reasons))
+        log.warning(
+            (
+                "self_prompts: only %d of %d wanted prompts passed the filters within %d requests "
+                "(data.self_prompts.max_requests); reasons: %s"
+            ),
+            len(sel.kept),
+            sp.count,
+            max_requests(sp),
+            dict(sel.reasons),
+        )
+    atomic_write_json(
+        folder / MARKER,
+        {
+            "key": plan.key,
+            "filters": _filters_hash(sp),
+            "prompts_sha256": sha256_file(prompts_file(config.run_dir)),
+            "counts": entry,
+        },
+    )
+    log.info(
+        "self_prompts: %d prompts kept of %d samples (%d requests, %d asked now); filtered %s",
+        len(sel.kept),
+        counts.in_,
+        sel.requests,
+        run.asked,
+        dict(sel.reasons),
+    )
     return entry
 
 
 def _error(config: PipelineConfig, counts: StageCounts) -> str | None:
     where = out_dir(config.run_dir) / "rejected.jsonl"
     if counts.in_ and counts.failed / counts.in_ > config.generation.max_failure_fraction:
-        return (f"self_prompts: {counts.failed} of {counts.in_} samples failed ({counts.failed / counts.in_:.0%} > "
-                f"generation.max_failure_fraction={config.generation.max_failure_fraction}); reasons in {where}; a rerun asks them again")
+        return (
+            f"self_prompts: {counts.failed} of {counts.in_} samples failed ({counts.failed / counts.in_:.0%} > "
+            f"generation.max_failure_fraction={config.generation.max_failure_fraction}); reasons in {where}; a "
+            "rerun asks them again"
+        )
     if counts.ok == 0:
         return f"self_prompts: no prompt passed the filters ({counts.in_} samples: {counts.reasons}); see {where}"
     return None
 
 
-async def collect(config: PipelineConfig, plan: Plan, pool: EndpointPool, model: str, logger: logging.Logger | None = None) -> dict:
+async def collect(
+    config: PipelineConfig, plan: Plan, pool: EndpointPool, model: str, logger: logging.Logger | None = None
+) -> dict:
     """Ask the served target for user turns until data.self_prompts.count pass the filters; write the outputs."""
     log = logger or logging.getLogger(__name__)
     sp, folder = config.data.self_prompts, out_dir(config.run_dir)

@@ -74,7 +74,10 @@ def _json_lines(path: Path, name: str) -> Iterator[tuple[str, Any]]:
             except UnicodeDecodeError as exc:
                 yield origin, Rejected("invalid_utf8", f"line {lineno} is not UTF-8 ({exc.reason})")
             except json.JSONDecodeError as exc:
-                yield origin, Rejected("invalid_json", f"line {lineno} is not valid JSON ({exc.msg} at column {exc.colno})")
+                yield (
+                    origin,
+                    Rejected("invalid_json", f"line {lineno} is not valid JSON ({exc.msg} at column {exc.colno})"),
+                )
 
 
 def _json_array(path: Path, name: str) -> Iterator[tuple[str, Any]]:

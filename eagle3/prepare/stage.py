@@ -48,6 +48,7 @@ SCHEMA = pa.schema(
     ]
 )
 
+
 class PrepareError(RuntimeError):
     """The stage ran but its result must not be used (too many rejected rows)."""
 
@@ -144,7 +145,9 @@ def _stream(data: DataConfig, source: Source, writers: list[_ShardWriter], rejec
     seen: dict[str, int] = {}
     for row in source.rows(data.limit, data.seed):
         tally.source_rows += 1
-        results = [row.value] if isinstance(row.value, Rejected) else candidates(row.value, data.turns, data.max_prompt_chars)
+        results = (
+            [row.value] if isinstance(row.value, Rejected) else candidates(row.value, data.turns, data.max_prompt_chars)
+        )
         for item in results:
             tally.in_ += 1
             if isinstance(item, Rejected):
@@ -237,13 +240,27 @@ def run_prepare(config: PipelineConfig, logger: logging.Logger | None = None) ->
     counts = StageCounts(tally.in_, tally.ok, 0, tally.in_ - tally.ok, dict(tally.reasons))
     error = _rejection_error(data, tally, out)
     entry = record_stage(
-        config.run_dir, STAGE, counts, status="failed" if error else "ok", error=error,
-        config_hash=section_hash(data), fingerprint=fingerprint, source=data.source,
-        source_rows=tally.source_rows, shards=[s["rows"] for s in shards],
+        config.run_dir,
+        STAGE,
+        counts,
+        status="failed" if error else "ok",
+        error=error,
+        config_hash=section_hash(data),
+        fingerprint=fingerprint,
+        source=data.source,
+        source_rows=tally.source_rows,
+        shards=[s["rows"] for s in shards],
         versions=versions("pyarrow", "datasets"),
     )
     if error:
         raise PrepareError(error)
     atomic_write_json(out / MARKER, {"fingerprint": fingerprint, "counts": entry, "shards": shards})
-    log.info("prepare: %d rows -> %d prompts in %d shards, %d filtered (%s)", tally.source_rows, tally.ok, len(shards), counts.filtered, dict(tally.reasons))
+    log.info(
+        "prepare: %d rows -> %d prompts in %d shards, %d filtered (%s)",
+        tally.source_rows,
+        tally.ok,
+        len(shards),
+        counts.filtered,
+        dict(tally.reasons),
+    )
     return PrepareResult(str(out), tuple(s["name"] for s in shards), entry, fingerprint, False)

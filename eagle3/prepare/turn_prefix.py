@@ -45,7 +45,10 @@ def _render(tokenizer, messages: list[dict], model: str) -> str:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
     except Exception as exc:  # jinja raises its own errors (e.g. "System role not supported")
         roles = "+".join(m["role"] for m in messages)
-        raise ConfigError(f"the chat template of {model} cannot render a {roles} conversation for data.source=self:prompts: {type(exc).__name__}: {exc}") from None
+        raise ConfigError(
+            f"the chat template of {model} cannot render a {roles} conversation for data.source=self:prompts: "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
     if not isinstance(text, str):
         raise ConfigError(f"the chat template of {model} rendered {type(text).__name__}, not text")
     return text
@@ -72,19 +75,26 @@ def _single_token(tokenizer, text: str) -> tuple[int, ...]:
 
 
 def derive(tokenizer, system: str | None, model: str) -> TurnPrefix:
-    """The prefix and end of a user turn in ``tokenizer``'s chat template, after ``system`` (None: no system message)."""
+    """The prefix and end of a user turn in ``tokenizer``'s chat template, after ``system``
+    (None: no system message)."""
     if getattr(tokenizer, "chat_template", None) is None:
-        raise ConfigError(f"{model} has no chat template: data.source=self:prompts needs one to know where a user turn starts")
+        raise ConfigError(
+            f"{model} has no chat template: data.source=self:prompts needs one to know where a user turn starts"
+        )
     head = [{"role": "system", "content": system}] if system is not None else []
     text = _render(tokenizer, [*head, {"role": "user", "content": SENTINEL}], model)
     cut = text.find(SENTINEL)
     if cut < 0:
-        raise ConfigError(f"the chat template of {model} does not write the user message into its text, so a user turn cannot be located for data.source=self:prompts")
-    stop = turn_end(text[cut + len(SENTINEL):], _special_strings(tokenizer))
+        raise ConfigError(
+            f"the chat template of {model} does not write the user message into its text, so a user turn cannot "
+            "be located for data.source=self:prompts"
+        )
+    stop = turn_end(text[cut + len(SENTINEL) :], _special_strings(tokenizer))
     if not stop.strip():
         raise ConfigError(
-            f"the chat template of {model} writes nothing that ends a user turn right after the message "
-            f"(it renders {text[cut + len(SENTINEL):][:40]!r}); data.source=self:prompts cannot tell where a request ends"
+            f"the chat template of {model} writes nothing that ends a user turn right after the message (it "
+            f"renders {text[cut + len(SENTINEL) :][:40]!r}); data.source=self:prompts cannot tell where a "
+            "request ends"
         )
     return TurnPrefix(system, text[:cut], stop, _single_token(tokenizer, stop))
 

@@ -26,7 +26,9 @@ async def _probe(client: httpx.AsyncClient, base_url: str, api_key: str | None) 
     return None
 
 
-async def check_replicas(base_urls: list[str], api_key: str | None, timeout_s: float = 10.0) -> tuple[list[str], dict[str, str]]:
+async def check_replicas(
+    base_urls: list[str], api_key: str | None, timeout_s: float = 10.0
+) -> tuple[list[str], dict[str, str]]:
     """Probe every replica at once: (healthy URLs, {unhealthy URL: why})."""
     timeout = httpx.Timeout(timeout_s, connect=min(5.0, timeout_s))
     async with httpx.AsyncClient(timeout=timeout) as client:

@@ -70,7 +70,9 @@ def tree(pgid: int) -> dict[int, int]:
 def _alive(known: dict[int, int]) -> list[int]:
     """Which of ``known`` still run as the same processes (same start time, not zombies)."""
     table = _table()
-    return sorted(pid for pid, start in known.items() if pid in table and table[pid][3] == start and table[pid][0] != "Z")
+    return sorted(
+        pid for pid, start in known.items() if pid in table and table[pid][3] == start and table[pid][0] != "Z"
+    )
 
 
 def stop_tree(pgid: int, grace_s: float, kill_wait_s: float) -> list[int]:
@@ -124,7 +126,13 @@ def main(argv: list[str]) -> int:
     if not alive:
         return 0
     everyone = sorted(set(alive) | set(tree(pgid)))
-    say(note, f"the pipeline process {parent} is gone; stopping its process group {pgid} (pids {everyone}, with descendants): SIGTERM, SIGKILL after {grace:g} s")
+    say(
+        note,
+        (
+            f"the pipeline process {parent} is gone; stopping its process group {pgid} (pids {everyone}, with "
+            f"descendants): SIGTERM, SIGKILL after {grace:g} s"
+        ),
+    )
     left = stop_tree(pgid, grace, kill_wait)
     say(note, f"process group {pgid} " + (f"still has pids {sorted(left)} after SIGKILL" if left else "stopped"))
     return 1 if left else 0

@@ -208,8 +208,11 @@ class ManagedServer:
     ) -> None:
         if not command:
             raise ValueError("command must name the server launcher")
-        for name, value in (("startup_timeout_s", startup_timeout_s), ("stop_grace_s", stop_grace_s),
-                            ("health_interval_s", health_interval_s)):
+        for name, value in (
+            ("startup_timeout_s", startup_timeout_s),
+            ("stop_grace_s", stop_grace_s),
+            ("health_interval_s", health_interval_s),
+        ):
             if value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
         env = dict(env or {})
@@ -318,8 +321,9 @@ class ManagedServer:
         return self
 
     def _ready(self, began: float) -> None:
-        self.logger.info("vLLM server ready at %s after %.1f s (pid %d)",
-                         self.base_url, time.monotonic() - began, self.pid)
+        self.logger.info(
+            "vLLM server ready at %s after %.1f s (pid %d)", self.base_url, time.monotonic() - began, self.pid
+        )
         self._watcher = _HealthWatcher(f"{self.root_url}/health", self.health_interval_s)
         self._watcher.start()
 
@@ -339,7 +343,10 @@ class ManagedServer:
                 self._watcher.stop()
             leftover = self._reap()
             if leftover:
-                raise ServerError(f"vLLM server group {self._proc.pid}: pids {leftover} survived SIGKILL; not restarting on port {self.port}")
+                raise ServerError(
+                    f"vLLM server group {self._proc.pid}: pids {leftover} survived SIGKILL; not restarting on "
+                    f"port {self.port}"
+                )
             orphans.release(self._proc.pid)  # the old group is gone: its guard can go (_spawn guards the new one)
             atexit.unregister(self.stop_quietly)  # _spawn registers it again
             began = time.monotonic()
@@ -362,16 +369,21 @@ class ManagedServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log_file = open(self.log_path, "a", buffering=1, encoding="utf-8")
         log_file.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(self.argv)}\n")
-        self.logger.info("starting vLLM server: %s (extra env: %s; log: %s)",
-                         " ".join(self.argv), sorted(self._env), self.log_path)
+        self.logger.info(
+            "starting vLLM server: %s (extra env: %s; log: %s)", " ".join(self.argv), sorted(self._env), self.log_path
+        )
         # Unbuffered so print()/tqdm output arrives line by line, not in 8 KiB blocks.
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self._env, "VLLM_API_KEY": self._api_key}
         pidfile = self.log_path.with_suffix(".pid")  # a server a SIGKILLed run left behind goes first
         orphans.reap_stale(pidfile, self.stop_grace_s, self.logger)
         try:
             self._proc = subprocess.Popen(
-                self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
             )
         except OSError:
             log_file.close()
@@ -403,8 +415,7 @@ class ManagedServer:
             health = client.get(f"{self.root_url}/health")
             if health.status_code != 200:
                 return f"/health returned {health.status_code}"
-            models = client.get(f"{self.base_url}/models",
-                                headers={"Authorization": f"Bearer {self._api_key}"})
+            models = client.get(f"{self.base_url}/models", headers={"Authorization": f"Bearer {self._api_key}"})
             if models.status_code != 200:
                 return f"/v1/models returned {models.status_code}"
             names = [m.get("id") for m in models.json().get("data", [])]
@@ -443,8 +454,9 @@ class ManagedServer:
             self._supervisor.join(READER_JOIN_S)  # a restart in progress sees its server gone and ends
         if leftover:
             raise ServerError(f"vLLM server group {self._proc.pid}: pids {leftover} survived SIGKILL")
-        self.logger.info("vLLM server %s stopped in %.1f s (exit %s)",
-                         self.base_url, time.monotonic() - began, self._proc.returncode)
+        self.logger.info(
+            "vLLM server %s stopped in %.1f s (exit %s)", self.base_url, time.monotonic() - began, self._proc.returncode
+        )
 
     def stop_quietly(self) -> None:
         """stop() for cleanup paths (atexit, failed start): log errors instead of raising."""
@@ -466,8 +478,9 @@ class ManagedServer:
         _signal_group(pgid, signal.SIGTERM)
         if self._wait_group_gone(pgid, self.stop_grace_s):
             return []
-        self.logger.warning("vLLM server group %d still alive %.0f s after SIGTERM: sending SIGKILL",
-                            pgid, self.stop_grace_s)
+        self.logger.warning(
+            "vLLM server group %d still alive %.0f s after SIGTERM: sending SIGKILL", pgid, self.stop_grace_s
+        )
         _signal_group(pgid, signal.SIGKILL)
         self._wait_group_gone(pgid, KILL_WAIT_S)
         return live_group_members(pgid)
@@ -485,14 +498,18 @@ class ManagedServer:
     # -- errors --------------------------------------------------------------------------
 
     def _exit_error(self, when: str) -> ServerError:
-        return ServerError(f"vLLM server {when} ({exit_description(self._proc.returncode)}); log {self.log_path}, last lines:\n"
-                           f"{self.log_tail()}")
+        return ServerError(
+            f"vLLM server {when} ({exit_description(self._proc.returncode)}); log {self.log_path}, last lines:\n"
+            f"{self.log_tail()}"
+        )
 
     def _timeout_error(self, last_probe: str) -> ServerError:
         self._reap()
-        return ServerError(f"vLLM server not ready within startup_timeout_s={self.startup_timeout_s:g} s "
-                           f"(last probe: {last_probe}); log {self.log_path}, last lines:\n"
-                           f"{self.log_tail()}")
+        return ServerError(
+            f"vLLM server not ready within startup_timeout_s={self.startup_timeout_s:g} s "
+            f"(last probe: {last_probe}); log {self.log_path}, last lines:\n"
+            f"{self.log_tail()}"
+        )
 
 
 def exit_description(code: int | None) -> str:
@@ -544,14 +561,25 @@ class _Supervisor(threading.Thread):
         if self.restarts >= self.max_restarts:
             self.error = ServerError(
                 f"vLLM server {server.base_url} exited while running ({how}) and max_restarts={self.max_restarts} "
-                f"restarts are used up; log {server.log_path}, last lines:\n{tail}")
+                f"restarts are used up; log {server.log_path}, last lines:\n{tail}"
+            )
             server.logger.error("%s", self.error)
             return False
         self.restarts += 1
         event = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "exit": how, "restarted": False}
         self.events.append(event)
-        server.logger.warning("vLLM server %s exited while running (%s): restart %d of %d on the same port and key; log %s, last lines:\n%s",
-                              server.base_url, how, self.restarts, self.max_restarts, server.log_path, tail)
+        server.logger.warning(
+            (
+                "vLLM server %s exited while running (%s): restart %d of %d on the same port and key; log %s, last "
+                "lines:\n%s"
+            ),
+            server.base_url,
+            how,
+            self.restarts,
+            self.max_restarts,
+            server.log_path,
+            tail,
+        )
         began = time.monotonic()
         try:
             server.restart()

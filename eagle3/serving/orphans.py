@@ -77,6 +77,7 @@ _lock = threading.Lock()
 
 # -- process facts (/proc) ------------------------------------------------------------------
 
+
 def _stat(pid: int) -> list[str] | None:
     """Fields of /proc/PID/stat after the command name: [state, ppid, pgrp, session, ...]."""
     try:
@@ -120,8 +121,10 @@ def terminate_group(pgid: int, grace_s: float, kill_wait_s: float = KILL_WAIT_S)
 
 # -- the guard ------------------------------------------------------------------------------
 
-def guard_group(pgid: int, *, pidfile: str | Path | None = None, grace_s: float = 10.0,
-                note: str | Path | None = None) -> Guard | None:
+
+def guard_group(
+    pgid: int, *, pidfile: str | Path | None = None, grace_s: float = 10.0, note: str | Path | None = None
+) -> Guard | None:
     """Make process group ``pgid`` (a child started with ``start_new_session=True``) die with
     this process: start its guard and, with ``pidfile``, record the group for ``reap_stale``.
     ``note`` (e.g. the child's log file; default: PIDFILE.guard.log) gets a line when the guard
@@ -136,8 +139,22 @@ def guard_group(pgid: int, *, pidfile: str | Path | None = None, grace_s: float 
     read_fd, write_fd = os.pipe()  # both close-on-exec: no later child inherits the write end
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", str(GUARD_SCRIPT), str(pgid), repr(float(grace_s)), repr(KILL_WAIT_S), str(os.getpid()), str(note or "")],
-            stdin=read_fd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True,
+            [
+                sys.executable,
+                "-I",
+                "-S",
+                str(GUARD_SCRIPT),
+                str(pgid),
+                repr(float(grace_s)),
+                repr(KILL_WAIT_S),
+                str(os.getpid()),
+                str(note or ""),
+            ],
+            stdin=read_fd,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            close_fds=True,
         )
     except OSError:
         os.close(write_fd)
@@ -175,14 +192,23 @@ def _prune() -> None:
 
 # -- the pidfile ----------------------------------------------------------------------------
 
+
 def write_pidfile(path: str | Path, pgid: int) -> None:
     from eagle3.durable import atomic_write_json
 
-    atomic_write_json(path, {
-        "format": PIDFILE_FORMAT, "pgid": pgid, "leader_start": start_ticks(pgid), "cmdline": cmdline(pgid),
-        "owner_pid": os.getpid(), "owner_start": start_ticks(os.getpid()), "boot_id": boot_id(),
-        "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    })
+    atomic_write_json(
+        path,
+        {
+            "format": PIDFILE_FORMAT,
+            "pgid": pgid,
+            "leader_start": start_ticks(pgid),
+            "cmdline": cmdline(pgid),
+            "owner_pid": os.getpid(),
+            "owner_start": start_ticks(os.getpid()),
+            "boot_id": boot_id(),
+            "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        },
+    )
 
 
 def stale_members(path: str | Path) -> list[int]:
@@ -220,8 +246,13 @@ def reap_stale(path: str | Path, grace_s: float = 10.0, log=None) -> list[int]:
         return []
     log = log or logger
     info = json.loads(Path(path).read_text())
-    log.warning("stopping process group %d left running by a killed earlier run (pids %s, started as %s; pidfile %s)",
-                info["pgid"], members, " ".join(info.get("cmdline") or [])[:200], path)
+    log.warning(
+        "stopping process group %d left running by a killed earlier run (pids %s, started as %s; pidfile %s)",
+        info["pgid"],
+        members,
+        " ".join(info.get("cmdline") or [])[:200],
+        path,
+    )
     left = terminate_group(int(info["pgid"]), grace_s)
     if left:
         log.error("process group %d: pids %s survived SIGKILL", info["pgid"], left)

@@ -68,8 +68,9 @@ def left_padded(prompts: list[list[int]]):
     return ids, mask, positions
 
 
-def sample(model, prompts: list[list[int]], n: int, max_tokens: int, temperature: float, top_p: float,
-           seed: int, eos: int) -> list[list[int]]:
+def sample(
+    model, prompts: list[list[int]], n: int, max_tokens: int, temperature: float, top_p: float, seed: int, eos: int
+) -> list[list[int]]:
     """``n`` completions of each prompt (prompt-major), each cut after its first ``eos``.
 
     All rows run as one left-padded batch sharing a KV cache.
@@ -115,8 +116,18 @@ def summarize(completions: list[list[int]], eos: int, think_end: int) -> SampleS
     )
 
 
-def measure(model, tokenizer, *, per_prompt: int = 5, prompts=PROMPTS, max_tokens: int = 256,
-            temperature: float = 0.6, top_p: float = 0.95, seed: int = 0, **template_kwargs):
+def measure(
+    model,
+    tokenizer,
+    *,
+    per_prompt: int = 5,
+    prompts=PROMPTS,
+    max_tokens: int = 256,
+    temperature: float = 0.6,
+    top_p: float = 0.95,
+    seed: int = 0,
+    **template_kwargs,
+):
     """Sample ``per_prompt`` completions for each prompt; return all of them and their stats."""
     eos = tokenizer.eos_token_id
     think_end = tokenizer.convert_tokens_to_ids("</think>")

@@ -17,8 +17,8 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
 import secrets
+import shutil
 from pathlib import Path
 
 from eagle3.tiny.specs import (
@@ -29,9 +29,9 @@ from eagle3.tiny.specs import (
     NUM_HEADS,
     NUM_KV_HEADS,
     NUM_LAYERS,
-    VOCAB_MULTIPLE,
     THINK_END,
     THINK_START,
+    VOCAB_MULTIPLE,
     ArchSpec,
     get_spec,
 )

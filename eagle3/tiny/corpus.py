@@ -182,7 +182,11 @@ def english_sentence(rng: random.Random) -> str:
     elif tense:
         verb = verb + tense
     tail = " " + rng.choice(ADVERBS) if rng.random() < 0.3 else ""
-    link = f" {rng.choice(('of', 'in', 'to', 'for', 'with', 'on', 'from'))} {noun_phrase(rng)}" if rng.random() < 0.5 else ""
+    link = (
+        f" {rng.choice(('of', 'in', 'to', 'for', 'with', 'on', 'from'))} {noun_phrase(rng)}"
+        if rng.random() < 0.5
+        else ""
+    )
     clause = f"{subject} {verb} {noun_phrase(rng)}{link}{tail}"
     if rng.random() < 0.3:
         clause += f" {rng.choice(('because', 'when', 'while', 'so'))} {noun_phrase(rng)} {rng.choice(VERBS)}s"
@@ -252,8 +256,8 @@ def python_snippet(rng: random.Random) -> str:
         (
             f"    {acc} = 0\n    for item in {arg}:\n        {acc} += item\n    return {acc}\n",
             f"    return [x * {rng.randint(2, 9)} for x in {arg} if x % 2 == 0]\n",
-            f"    if not {arg}:\n        raise ValueError(\"empty {arg}\")\n    return sorted({arg})[0]\n",
-            f"    with open({arg}, \"r\", encoding=\"utf-8\") as f:\n        return f.read().splitlines()\n",
+            f'    if not {arg}:\n        raise ValueError("empty {arg}")\n    return sorted({arg})[0]\n',
+            f'    with open({arg}, "r", encoding="utf-8") as f:\n        return f.read().splitlines()\n',
             f"    {acc} = {{}}\n    for key, value in {arg}.items():\n        {acc}[key] = value\n    return {acc}\n",
         )
     )
@@ -265,7 +269,10 @@ def python_snippet(rng: random.Random) -> str:
 def other_code(rng: random.Random) -> str:
     name, key = identifier(rng), rng.choice(NOUNS)
     forms = (
-        f"```javascript\nconst {key} = {{ id: {rng.randint(1, 99)}, name: \"{rng.choice(NAMES)}\" }};\nconsole.log({key}.name);\n```",
+        (
+            f'```javascript\nconst {key} = {{ id: {rng.randint(1, 99)}, name: "{rng.choice(NAMES)}" }};\n'
+            f"console.log({key}.name);\n```"
+        ),
         f'{{"{key}": {rng.randint(0, 500)}, "{rng.choice(NOUNS)}": "{rng.choice(ADJECTIVES)}", "ok": true}}',
         f"```bash\nmkdir -p {key}/{name}\ncd {key} && ls -la | grep {rng.choice(NOUNS)}\n```",
         f"```sql\nSELECT {key}, COUNT(*) FROM {name} WHERE {key} > {rng.randint(0, 100)} GROUP BY {key};\n```",

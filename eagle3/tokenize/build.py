@@ -71,7 +71,7 @@ def from_server_ids(record: dict, vocab_size: int) -> Sample:
     if not completion:
         raise RowError("empty_completion", "the completion has no tokens")
     mask = np.zeros(len(prompt) + len(completion), dtype=np.uint8)
-    mask[len(prompt):] = 1
+    mask[len(prompt) :] = 1
     return Sample(np.asarray(prompt + completion, dtype=np.int32), mask, "server_ids")
 
 
@@ -104,7 +104,9 @@ def from_template(tokenizer, messages: list[dict], template_kwargs: dict | None 
     """Render a whole conversation; every assistant turn the template renders is supervised."""
     kwargs = template_kwargs or {}
     if GENERATION_TAG.search(tokenizer.chat_template or ""):
-        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **kwargs)
+        out = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **kwargs
+        )
         return Sample.of(out["input_ids"], out["assistant_masks"], "template")
     return _by_prefix_diff(tokenizer, messages, kwargs)
 
@@ -128,7 +130,7 @@ def _encoding_mask(encoding, spans) -> np.ndarray:
         first, last = encoding.char_to_token(start), encoding.char_to_token(end - 1)
         if first is None or last is None:
             return _span_mask(encoding.offsets, spans)
-        mask[first: last + 1] = 1
+        mask[first : last + 1] = 1
     return mask
 
 
@@ -159,8 +161,10 @@ def from_template_batch(tokenizer, conversations: list[list[dict]], executor=Non
     slow = sorted(set(range(len(texts))) - set(quick)) + checked if quick else list(range(len(texts)))
 
     def encode():
-        return (backend.encode_batch_fast([texts[k] for k in quick], add_special_tokens=False) if quick else [],
-                backend.encode_batch([texts[k] for k in slow], add_special_tokens=False) if slow else [])
+        return (
+            backend.encode_batch_fast([texts[k] for k in quick], add_special_tokens=False) if quick else [],
+            backend.encode_batch([texts[k] for k in slow], add_special_tokens=False) if slow else [],
+        )
 
     if executor is None:
         return _assemble(backend, table, texts, spans, quick, slow, *encode())
@@ -183,9 +187,13 @@ def _assemble(backend, table, texts, spans, quick, slow, fast_encodings, offset_
             out[k] = Sample(row_ids, mask, "template")
         elif not (np.array_equal(out[k].input_ids, row_ids) and np.array_equal(out[k].loss_mask, mask)):
             raise offset_free.MaskMismatch(
-                f"conversation {k} of the batch: ids or mask from token lengths differ from the tokenizer's offsets "
-                "(a bug in eagle3/tokenize/offset_free.py; set eagle3.tokenize.build.OFFSET_FREE = False to use offsets only)")
-    for k, encoding in zip(missing, backend.encode_batch([texts[k] for k in missing], add_special_tokens=False) if missing else []):
+                f"conversation {k} of the batch: ids or mask from token lengths differ from the tokenizer's "
+                "offsets (a bug in eagle3/tokenize/offset_free.py; set eagle3.tokenize.build.OFFSET_FREE = "
+                "False to use offsets only)"
+            )
+    for k, encoding in zip(
+        missing, backend.encode_batch([texts[k] for k in missing], add_special_tokens=False) if missing else []
+    ):
         out[k] = Sample(np.array(encoding.ids, dtype=np.int32), _encoding_mask(encoding, spans[k]), "template")
     return out
 
@@ -209,7 +217,9 @@ def _render_generation(tokenizer, conversations: list[list[dict]]):
         from transformers.utils.chat_template_utils import render_jinja_template
 
         try:
-            texts, spans = render_jinja_template([conversations[k] for k in todo], chat_template=template, return_assistant_tokens_mask=True, **specials)
+            texts, spans = render_jinja_template(
+                [conversations[k] for k in todo], chat_template=template, return_assistant_tokens_mask=True, **specials
+            )
         except Exception:  # a template error on one row: found row by row
             return None
         for k, text, sp in zip(todo, texts, spans):
@@ -238,8 +248,10 @@ def _by_prefix_diff(tokenizer, messages: list[dict], kwargs: dict) -> Sample:
         before = render_ids(tokenizer, messages[:k], add_generation_prompt=True, **kwargs)
         upto = render_ids(tokenizer, messages[: k + 1], **kwargs)
         if ids[: len(upto)] != upto or upto[: len(before)] != before:
-            raise RowError("template_not_prefix_stable", f"rendering turn {k} is not a prefix of the whole conversation")
-        mask[len(before): len(upto)] = 1
+            raise RowError(
+                "template_not_prefix_stable", f"rendering turn {k} is not a prefix of the whole conversation"
+            )
+        mask[len(before) : len(upto)] = 1
     return Sample.of(ids, mask, "template")
 
 

@@ -67,9 +67,18 @@ def _table(spec: dict) -> np.ndarray | None:
     from tokenizers import pre_tokenizers
 
     model = spec.get("model") or {}
-    if model.get("type") != "BPE" or model.get("byte_fallback") or model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
+    if (
+        model.get("type") != "BPE"
+        or model.get("byte_fallback")
+        or model.get("continuing_subword_prefix")
+        or model.get("end_of_word_suffix")
+    ):
         return None
-    if spec.get("normalizer") not in (None, {"type": "NFC"}) or not _pre_tokenizer_ok(spec.get("pre_tokenizer")) or not _post_processor_ok(spec.get("post_processor")):
+    if (
+        spec.get("normalizer") not in (None, {"type": "NFC"})
+        or not _pre_tokenizer_ok(spec.get("pre_tokenizer"))
+        or not _post_processor_ok(spec.get("post_processor"))
+    ):
         return None
     added = spec.get("added_tokens") or []
     if any(t.get("lstrip") or t.get("rstrip") for t in added):
@@ -78,7 +87,9 @@ def _table(spec: dict) -> np.ndarray | None:
     alphabet = set(pre_tokenizers.ByteLevel.alphabet())
     if not vocab or any(not alphabet.issuperset(piece) for piece in vocab):
         return None
-    table = np.zeros(1 + max([*vocab.values(), *(t["id"] for t in added)]), dtype=np.int64)  # 0: an unknown id fails the length check
+    table = np.zeros(
+        1 + max([*vocab.values(), *(t["id"] for t in added)]), dtype=np.int64
+    )  # 0: an unknown id fails the length check
     for piece, i in vocab.items():
         table[i] = len(piece)
     for t in added:
@@ -98,7 +109,9 @@ def byte_lengths(backend) -> np.ndarray | None:
     return hit[2]
 
 
-def masks(table: np.ndarray, ids: list[np.ndarray], texts: list[str], spans: list[list[tuple[int, int]]]) -> list[np.ndarray | None]:
+def masks(
+    table: np.ndarray, ids: list[np.ndarray], texts: list[str], spans: list[list[tuple[int, int]]]
+) -> list[np.ndarray | None]:
     """Per row: the uint8 mask of tokens overlapping its spans, or None where the row's token
     lengths do not tile its (ASCII) text or a span edge falls outside it (use offsets there)."""
     n = len(ids)

@@ -96,8 +96,10 @@ def _llama3(messages: list[dict], specials: dict) -> Rendered | None:
 
 
 RENDERERS: dict[str, Callable[[list[dict], dict], Rendered | None]] = {
-    "2d07cca404e406454b3bf0169c523b3d6790827c8e2d1e15b9a54add7c25d90d": _qwen3,  # eagle3/tiny/qwen3_chat_template.jinja
-    "e76ac3fe8032754b214dcaacd312165a61a8eb618cd2717808e7e559f5ad26ee": _llama3,  # eagle3/tiny/llama3_chat_template.jinja
+    # eagle3/tiny/qwen3_chat_template.jinja
+    "2d07cca404e406454b3bf0169c523b3d6790827c8e2d1e15b9a54add7c25d90d": _qwen3,
+    # eagle3/tiny/llama3_chat_template.jinja
+    "e76ac3fe8032754b214dcaacd312165a61a8eb618cd2717808e7e559f5ad26ee": _llama3,
 }
 
 
@@ -113,6 +115,13 @@ def check_rows(n: int) -> range:
 def mismatch(index: int, fast: Rendered, slow: Rendered) -> RenderMismatch:
     (a, sa), (b, sb) = fast, slow
     at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    what = f"text differs at char {at}: {a[at:at + 40]!r} vs jinja {b[at:at + 40]!r}" if a != b else f"spans {sa} vs jinja {sb}"
-    return RenderMismatch(f"the plain-Python renderer for this chat template disagrees with jinja on conversation {index} of the batch: {what}. "
-                          "This is a bug in eagle3/tokenize/renderers.py; remove the template's entry from RENDERERS to render through jinja")
+    what = (
+        f"text differs at char {at}: {a[at : at + 40]!r} vs jinja {b[at : at + 40]!r}"
+        if a != b
+        else f"spans {sa} vs jinja {sb}"
+    )
+    return RenderMismatch(
+        f"the plain-Python renderer for this chat template disagrees with jinja on conversation {index} of the "
+        f"batch: {what}. This is a bug in eagle3/tokenize/renderers.py; remove the template's entry from "
+        "RENDERERS to render through jinja"
+    )

@@ -27,20 +27,40 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eagle3.config import PipelineConfig, section_hash
-from eagle3.durable import atomic_path, atomic_write_json, atomic_write_lines, install_file, read_json, remove_inside, sha256_file, writing
+from eagle3.durable import (
+    atomic_path,
+    atomic_write_json,
+    atomic_write_lines,
+    install_file,
+    read_json,
+    remove_inside,
+    sha256_file,
+    writing,
+)
 from eagle3.generate.records import read_records
 from eagle3.schemas import PROMPT_COLUMNS, check_schema, tokenizer_hash
-from eagle3.tokenize.build import RowError, Sample, conversation, fit_length, from_server_ids, from_template_batch, has_ids, render_ids
+from eagle3.tokenize.build import (
+    RowError,
+    Sample,
+    conversation,
+    fit_length,
+    from_server_ids,
+    from_template_batch,
+    has_ids,
+    render_ids,
+)
 
-SCHEMA = pa.schema([
-    ("id", pa.string()),
-    ("input_ids", pa.list_(pa.int32())),
-    ("loss_mask", pa.list_(pa.uint8())),
-    ("num_tokens", pa.int32()),
-    ("num_supervised", pa.int32()),
-    ("path", pa.string()),
-    ("truncated", pa.bool_()),
-])
+SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("input_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.uint8())),
+        ("num_tokens", pa.int32()),
+        ("num_supervised", pa.int32()),
+        ("path", pa.string()),
+        ("truncated", pa.bool_()),
+    ]
+)
 ROW_GROUP_TOKENS = 1 << 20
 TEMPLATE_CHECKS = 64
 CHUNK = 512  # template-path rows rendered and encoded together: at most this many,
@@ -121,9 +141,13 @@ def _paths(run_dir: Path, shard: str) -> dict[str, Path]:
     stem = shard.removesuffix(".parquet")
     out = run_dir / "tokenized"
     return {
-        "generations": run_dir / "generations" / f"{stem}.jsonl", "gen_done": run_dir / "generations" / f"{stem}.done.json",
-        "prompts": run_dir / "prompts" / shard, "parquet": out / shard, "counts": out / f"{stem}.counts.safetensors",
-        "rejected": out / f"{stem}.rejected.jsonl", "done": out / f"{stem}.done.json",
+        "generations": run_dir / "generations" / f"{stem}.jsonl",
+        "gen_done": run_dir / "generations" / f"{stem}.done.json",
+        "prompts": run_dir / "prompts" / shard,
+        "parquet": out / shard,
+        "counts": out / f"{stem}.counts.safetensors",
+        "rejected": out / f"{stem}.rejected.jsonl",
+        "done": out / f"{stem}.done.json",
     }
 
 
@@ -141,9 +165,11 @@ def _check_generation_settings(config: PipelineConfig, p: dict, shard: str) -> N
         meta_path = p["generations"].with_name(p["generations"].name.replace(".jsonl", ".meta.json"))
         meta = read_json(meta_path) if meta_path.exists() else {}
         raise TokenizeInputError(
-            f"{p['generations']}: made by model {meta.get('model', '?')!r} with sampling {meta.get('sampling', '?')}, but the config asks for "
-            f"model {model!r} with max_tokens={gen.max_tokens}, temperature={gen.temperature}, top_p={gen.top_p} (or another chat template): "
-            f"run `eagle3 generate` for shard {shard} (earlier records are set aside, never mixed)")
+            f"{p['generations']}: made by model {meta.get('model', '?')!r} with sampling "
+            f"{meta.get('sampling', '?')}, but the config asks for model {model!r} with "
+            f"max_tokens={gen.max_tokens}, temperature={gen.temperature}, top_p={gen.top_p} (or another chat "
+            f"template): run `eagle3 generate` for shard {shard} (earlier records are set aside, never mixed)"
+        )
 
 
 def _key(p: dict, config: PipelineConfig, tok_fp: str) -> str:
@@ -204,7 +230,16 @@ def _keep(rid: str, sample: Sample, config: PipelineConfig, acc: _Acc) -> None:
     acc.out.add((rid, sample, supervised, truncated))
 
 
-def _chunk(records: list[tuple[int, dict, tuple | None]], messages: dict, tokenizer, vocab: int, config: PipelineConfig, acc: _Acc, every: int, executor):
+def _chunk(
+    records: list[tuple[int, dict, tuple | None]],
+    messages: dict,
+    tokenizer,
+    vocab: int,
+    config: PipelineConfig,
+    acc: _Acc,
+    every: int,
+    executor,
+):
     """Start one chunk: server-id rows one by one, template rows rendered together and their
     encode handed to ``executor``. Returns the function that finishes the chunk (in record order,
     rows refused while reading included)."""
@@ -250,12 +285,18 @@ def _list_array(seqs: list[np.ndarray], arrow_type) -> pa.ListArray:
 
 def _table(batch: list) -> pa.Table:
     ids = [r[1].input_ids for r in batch]
-    return pa.Table.from_arrays([
-        pa.array([r[0] for r in batch], pa.string()), _list_array(ids, pa.int32()),
-        _list_array([r[1].loss_mask for r in batch], pa.uint8()), pa.array([len(x) for x in ids], pa.int32()),
-        pa.array([r[2] for r in batch], pa.int32()), pa.array([r[1].path for r in batch], pa.string()),
-        pa.array([r[3] for r in batch], pa.bool_()),
-    ], schema=SCHEMA)
+    return pa.Table.from_arrays(
+        [
+            pa.array([r[0] for r in batch], pa.string()),
+            _list_array(ids, pa.int32()),
+            _list_array([r[1].loss_mask for r in batch], pa.uint8()),
+            pa.array([len(x) for x in ids], pa.int32()),
+            pa.array([r[2] for r in batch], pa.int32()),
+            pa.array([r[1].path for r in batch], pa.string()),
+            pa.array([r[3] for r in batch], pa.bool_()),
+        ],
+        schema=SCHEMA,
+    )
 
 
 class _Output:
@@ -345,7 +386,9 @@ def tokenize_shard(config: PipelineConfig, shard: str, tokenizer, tok_path: str,
     acc = _Acc(out=_Output(p["parquet"], vocab))
     every = max(1, len(records) // TEMPLATE_CHECKS)
     try:
-        with ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="encode") as executor:  # chunks k, k+1 encode while k+2 renders
+        with ThreadPoolExecutor(
+            IN_FLIGHT, thread_name_prefix="encode"
+        ) as executor:  # chunks k, k+1 encode while k+2 renders
             for k, record in enumerate(records + [None]):
                 if record is None or len(chunk) == CHUNK or chars >= CHUNK_CHARS:
                     unfinished.append(_chunk(chunk, messages, tokenizer, vocab, config, acc, every, executor))
@@ -365,13 +408,41 @@ def tokenize_shard(config: PipelineConfig, shard: str, tokenizer, tok_path: str,
         _save_outputs(p, acc)
     finally:
         acc.out.discard()
-    result = TokenizeResult(shard, str(p["parquet"]), len(records), acc.kept, len(acc.rejected), acc.reasons,
-                            acc.tokens, acc.supervised, acc.truncated, acc.checks, False)
+    result = TokenizeResult(
+        shard,
+        str(p["parquet"]),
+        len(records),
+        acc.kept,
+        len(acc.rejected),
+        acc.reasons,
+        acc.tokens,
+        acc.supervised,
+        acc.truncated,
+        acc.checks,
+        False,
+    )
     assert result.in_ == result.ok + result.filtered, result
-    atomic_write_json(p["done"], {"key": key, "parquet_sha256": sha256_file(p["parquet"]), "tokenizer": tok_path, "tokenizer_sha256": tokenizer_hash(tok_path),
-                                  "result": {k: v for k, v in result.__dict__.items() if k != "skipped"}})
-    log.info("%s: %d records -> %d rows (%d tokens, %d supervised), %d filtered %s; template check %s",
-             shard, result.in_, result.ok, result.tokens, result.supervised, result.filtered, result.reasons, acc.checks)
+    atomic_write_json(
+        p["done"],
+        {
+            "key": key,
+            "parquet_sha256": sha256_file(p["parquet"]),
+            "tokenizer": tok_path,
+            "tokenizer_sha256": tokenizer_hash(tok_path),
+            "result": {k: v for k, v in result.__dict__.items() if k != "skipped"},
+        },
+    )
+    log.info(
+        "%s: %d records -> %d rows (%d tokens, %d supervised), %d filtered %s; template check %s",
+        shard,
+        result.in_,
+        result.ok,
+        result.tokens,
+        result.supervised,
+        result.filtered,
+        result.reasons,
+        acc.checks,
+    )
     return result
 
 
@@ -386,10 +457,23 @@ def record(config: PipelineConfig, results: list[TokenizeResult], tok_path: str)
             reasons[k] = reasons.get(k, 0) + n
         for k in checks:
             checks[k] += r.template_check[k]
-    counts = StageCounts(sum(r.in_ for r in results), sum(r.ok for r in results), 0, sum(r.filtered for r in results), reasons)
-    rate = {k: round(checks[k] / checks["checked"], 4) if checks["checked"] else None for k in ("prompt_mismatch", "full_mismatch")}
+    counts = StageCounts(
+        sum(r.in_ for r in results), sum(r.ok for r in results), 0, sum(r.filtered for r in results), reasons
+    )
+    rate = {
+        k: round(checks[k] / checks["checked"], 4) if checks["checked"] else None
+        for k in ("prompt_mismatch", "full_mismatch")
+    }
     return record_stage(
-        config.run_dir, "tokenize", counts, status="ok", tokenizer=tok_path, config_hash=section_hash(config.tokenize),
-        tokens=sum(r.tokens for r in results), supervised_tokens=sum(r.supervised for r in results),
-        truncated_rows=sum(r.truncated for r in results), template_check={**checks, "mismatch_rate": rate}, versions=versions("transformers", "tokenizers", "pyarrow"),
+        config.run_dir,
+        "tokenize",
+        counts,
+        status="ok",
+        tokenizer=tok_path,
+        config_hash=section_hash(config.tokenize),
+        tokens=sum(r.tokens for r in results),
+        supervised_tokens=sum(r.supervised for r in results),
+        truncated_rows=sum(r.truncated for r in results),
+        template_check={**checks, "mismatch_rate": rate},
+        versions=versions("transformers", "tokenizers", "pyarrow"),
     )

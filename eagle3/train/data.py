@@ -55,11 +55,16 @@ class Dataset:
             ids = table.column("id").to_pylist()
             if offline:
                 self._check_index(shard, ids)
-            for row, (rid, seq, mask) in enumerate(zip(ids, table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist())):
+            for row, (rid, seq, mask) in enumerate(
+                zip(ids, table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist())
+            ):
                 sample = Sample(rid, s, row, np.asarray(seq, dtype=np.int64), np.asarray(mask, dtype=np.uint8))
                 (self.heldout if is_heldout(rid, eval_fraction) else self.train).append(sample)
         if not self.train:
-            raise TrainDataError(f"{self.run / 'tokenized'}: no training samples (all {len(self.heldout)} rows fell in the held-out split)")
+            raise TrainDataError(
+                f"{self.run / 'tokenized'}: no training samples (all {len(self.heldout)} rows fell in the "
+                "held-out split)"
+            )
         if not self.heldout:  # a tiny run: hold out one sample rather than evaluate on nothing
             self.heldout.append(self.train.pop())
 
@@ -67,16 +72,24 @@ class Dataset:
         stem = Path(shard).stem
         index = self.run / "hidden_states" / f"{stem}.index.json"
         if not (self.run / "hidden_states" / f"{stem}.done.json").exists():
-            raise TrainDataError(f"{self.run / 'hidden_states' / stem}.safetensors: no stored states (hidden_states.mode=\"offline\"); run `eagle3 extract`")
+            raise TrainDataError(
+                f"{self.run / 'hidden_states' / stem}.safetensors: no stored states "
+                '(hidden_states.mode="offline"); run `eagle3 extract`'
+            )
         listed = json.loads(index.read_text())["ids"]
         if listed != ids:
-            raise TrainDataError(f"{index}: its ids differ from {self.run / 'tokenized' / shard} (extracted from an older tokenization?); run `eagle3 extract` again")
+            raise TrainDataError(
+                f"{index}: its ids differ from {self.run / 'tokenized' / shard} (extracted from an older "
+                "tokenization?); run `eagle3 extract` again"
+            )
 
     def states(self, sample: Sample) -> tuple[torch.Tensor, torch.Tensor]:
         from eagle3.hidden.store import ShardStates
 
         if sample.shard not in self._states:
-            self._states[sample.shard] = ShardStates(self.run / "hidden_states" / f"{Path(self.shards[sample.shard]).stem}.safetensors")
+            self._states[sample.shard] = ShardStates(
+                self.run / "hidden_states" / f"{Path(self.shards[sample.shard]).stem}.safetensors"
+            )
         return self._states[sample.shard].sample(sample.row)
 
 
@@ -92,8 +105,8 @@ def epoch_steps(n_batches: int, seed: int, epoch: int, processes: int, accum: in
     per_step = processes * accum
     steps = []
     for start in range(0, n_batches, per_step):
-        chunk = order[start: start + per_step]
-        steps.append([chunk[r * accum: (r + 1) * accum] for r in range(processes)])
+        chunk = order[start : start + per_step]
+        steps.append([chunk[r * accum : (r + 1) * accum] for r in range(processes)])
     return steps
 
 
@@ -126,5 +139,5 @@ def counted_positions(samples: list[Sample], steps: int) -> list[int]:
     for s in samples:
         m = s.loss_mask
         for k in range(steps):
-            out[k] += int(m[2 + k:].sum()) if len(m) > 2 + k else 0
+            out[k] += int(m[2 + k :].sum()) if len(m) > 2 + k else 0
     return out

@@ -41,8 +41,14 @@ def step_positions(loss_mask: torch.Tensor, steps: int) -> list[torch.Tensor]:
     return [shift_left(loss_mask, 2 + k).bool() for k in range(steps)]
 
 
-def ttt_loss(logits: list[torch.Tensor], view: TargetView, loss_mask: torch.Tensor, d2t: torch.Tensor, weight_decay: float,
-             global_counts: list[int]) -> tuple[torch.Tensor, dict]:
+def ttt_loss(
+    logits: list[torch.Tensor],
+    view: TargetView,
+    loss_mask: torch.Tensor,
+    d2t: torch.Tensor,
+    weight_decay: float,
+    global_counts: list[int],
+) -> tuple[torch.Tensor, dict]:
     """(loss to backpropagate, per-step sums for logging and metrics)."""
     draft_to_target = torch.arange(len(d2t), device=d2t.device) + d2t
     total = logits[0].new_zeros(())
@@ -56,7 +62,7 @@ def ttt_loss(logits: list[torch.Tensor], view: TargetView, loss_mask: torch.Tens
         p = torch.softmax(tgt.float(), dim=-1)
         ce = -(p * torch.log_softmax(q.float(), dim=-1)).sum(-1)
         ce_sum = (ce * counted).sum()
-        total = total + (weight_decay ** k) * ce_sum / max(global_counts[k], 1)
+        total = total + (weight_decay**k) * ce_sum / max(global_counts[k], 1)
         correct = (draft_to_target[q.argmax(-1)] == top1) & counted
         chain = correct if chain is None else (chain & correct)
         stats["ce_sum"].append(float(ce_sum.detach()))
@@ -74,13 +80,18 @@ def summarize(stats_list: list[dict], steps: int) -> dict:
     acceptance_length = 1 + sum_k P(steps 0..k all right) -- the bonus token the target always
     adds plus the expected accepted drafts under greedy verification (what vLLM's mean acceptance
     length reports)."""
-    sums = {key: [sum(s[key][k] for s in stats_list) for k in range(steps)] for key in ("ce_sum", "counted", "correct", "chain", "positions")}
+    sums = {
+        key: [sum(s[key][k] for s in stats_list) for k in range(steps)]
+        for key in ("ce_sum", "counted", "correct", "chain", "positions")
+    }
     pos0 = max(sums["positions"][0], 1)
     accuracy = [sums["correct"][k] / max(sums["positions"][k], 1) for k in range(steps)]
     conditional = [accuracy[0]] + [sums["chain"][k] / max(sums["chain"][k - 1], 1) for k in range(1, steps)]
     chain_rate = [sums["chain"][k] / pos0 for k in range(steps)]
     return {
         "loss_per_step": [sums["ce_sum"][k] / max(sums["counted"][k], 1) for k in range(steps)],
-        "accuracy": accuracy, "conditional_accuracy": conditional, "acceptance_length": 1 + sum(chain_rate),
+        "accuracy": accuracy,
+        "conditional_accuracy": conditional,
+        "acceptance_length": 1 + sum(chain_rate),
         "positions": sums["positions"][0],
     }

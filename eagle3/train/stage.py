@@ -25,7 +25,6 @@ from pathlib import Path
 from eagle3.config import PipelineConfig, section_hash
 from eagle3.durable import atomic_write_json, read_json, remove_inside
 
-
 STEP_LINE = re.compile(r"\[rank 0\] step (\d+)/(\d+)")
 # A worker's failed write (disk full) reaches us only as its traceback's last line; it is raised
 # here as the same DiskWriteError, so the user sees one line naming the file, not torchrun's dump.
@@ -52,9 +51,15 @@ def layer_ids_for(config: PipelineConfig) -> list[int]:
     if not entry:
         raise TrainInputError(f"{config.run_dir}/manifest.json has no extract stage: run `eagle3 extract` first")
     if config.hidden_states.layer_ids and list(config.hidden_states.layer_ids) != entry["layer_ids"]:
-        raise TrainInputError(f"hidden_states.layer_ids {config.hidden_states.layer_ids} differ from the {entry['layer_ids']} the extract stage used: run `eagle3 extract` again")
+        raise TrainInputError(
+            f"hidden_states.layer_ids {config.hidden_states.layer_ids} differ from the {entry['layer_ids']} the "
+            "extract stage used: run `eagle3 extract` again"
+        )
     if entry.get("mode") != config.hidden_states.mode:
-        raise TrainInputError(f"hidden_states.mode is {config.hidden_states.mode!r} but the extract stage ran in {entry.get('mode')!r} mode: run `eagle3 extract` again")
+        raise TrainInputError(
+            f"hidden_states.mode is {config.hidden_states.mode!r} but the extract stage ran in "
+            f"{entry.get('mode')!r} mode: run `eagle3 extract` again"
+        )
     return list(entry["layer_ids"])
 
 
@@ -62,7 +67,14 @@ def check_tokenized(config: PipelineConfig, shards: list[str]) -> None:
     """Each tokenized shard is complete, has the columns training reads, and was made with the
     tokenizer the config points at now: checked here, before torchrun starts, so a bad input is one
     clear error rather than a worker's traceback."""
-    from eagle3.schemas import TOKENIZED_IDS, TOKENIZED_INPUT_IDS, TOKENIZED_LOSS_MASK, check_schema, check_tokenizer, tokenizer_hash
+    from eagle3.schemas import (
+        TOKENIZED_IDS,
+        TOKENIZED_INPUT_IDS,
+        TOKENIZED_LOSS_MASK,
+        check_schema,
+        check_tokenizer,
+        tokenizer_hash,
+    )
     from eagle3.tokenize.stage import tokenizer_path
 
     tok_path = tokenizer_path(config)
@@ -78,9 +90,20 @@ def check_tokenized(config: PipelineConfig, shards: list[str]) -> None:
 
 def torchrun_argv(config: PipelineConfig, request: Path) -> list[str]:
     t = config.train
-    argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={t.nproc_per_node}", f"--nnodes={t.nnodes}"]
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={t.nproc_per_node}",
+        f"--nnodes={t.nnodes}",
+    ]
     if t.nnodes > 1:
-        argv += [f"--node-rank={t.node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={t.rdzv_endpoint}", f"--rdzv-id={t.rdzv_id}"]
+        argv += [
+            f"--node-rank={t.node_rank}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={t.rdzv_endpoint}",
+            f"--rdzv-id={t.rdzv_id}",
+        ]
     else:
         host, _, port = t.rdzv_endpoint.rpartition(":")
         argv += ["--standalone"] if not port else [f"--master-addr={host or '127.0.0.1'}", f"--master-port={port}"]
@@ -104,18 +127,38 @@ def run_train(config: PipelineConfig, shards: list[str], logger=None, on_line=No
     request = out / "request.json"
     result_path = out / "result.json"
     remove_inside(result_path, run)
-    atomic_write_json(request, {"config": json.loads(config.model_dump_json()), "shards": shards, "model_path": resolve_model(config.server.model),
-                                "layer_ids": layer_ids, "result_path": str(result_path)})
+    atomic_write_json(
+        request,
+        {
+            "config": json.loads(config.model_dump_json()),
+            "shards": shards,
+            "model_path": resolve_model(config.server.model),
+            "layer_ids": layer_ids,
+            "result_path": str(result_path),
+        },
+    )
     argv = torchrun_argv(config, request)
     log.info("train: %s", " ".join(argv))
     started = time.monotonic()
-    threads = max(1, (os.cpu_count() or 1) // config.train.nproc_per_node)  # one process per core share, not oversubscribed
-    _run_streamed(argv, config.train.timeout_s, log, cwd=Path(__file__).resolve().parents[2], threads=threads, on_line=on_line, pidfile=out / "torchrun.pid")
+    threads = max(
+        1, (os.cpu_count() or 1) // config.train.nproc_per_node
+    )  # one process per core share, not oversubscribed
+    _run_streamed(
+        argv,
+        config.train.timeout_s,
+        log,
+        cwd=Path(__file__).resolve().parents[2],
+        threads=threads,
+        on_line=on_line,
+        pidfile=out / "torchrun.pid",
+    )
     result = read_json(result_path)
     return record(config, result, layer_ids, time.monotonic() - started)
 
 
-def _run_streamed(argv: list[str], timeout_s: float, log, cwd: Path, threads: int, on_line=None, pidfile: Path | None = None) -> None:
+def _run_streamed(
+    argv: list[str], timeout_s: float, log, cwd: Path, threads: int, on_line=None, pidfile: Path | None = None
+) -> None:
     from eagle3.serving import orphans
 
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
@@ -125,7 +168,9 @@ def _run_streamed(argv: list[str], timeout_s: float, log, cwd: Path, threads: in
         env.setdefault(name, "FALSE")
     if pidfile is not None:  # a torchrun that a SIGKILLed run left behind would train into the same checkpoints
         orphans.reap_stale(pidfile, 15.0, log)
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd, start_new_session=True)
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd, start_new_session=True
+    )
     orphans.guard_group(proc.pid, pidfile=pidfile, grace_s=15.0)  # the group dies with this process, even by SIGKILL
     tail: list[str] = []
     disk_errors: list[str] = []
@@ -150,7 +195,10 @@ def _run_streamed(argv: list[str], timeout_s: float, log, cwd: Path, threads: in
         code = proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         _kill_group(proc)
-        raise TrainFailed(f"torchrun ran past train.timeout_s={timeout_s:.0f} s and was stopped; rerun to resume from the last checkpoint") from None
+        raise TrainFailed(
+            f"torchrun ran past train.timeout_s={timeout_s:.0f} s and was stopped; rerun to resume from the last "
+            "checkpoint"
+        ) from None
     except BaseException:
         _kill_group(proc)
         raise
@@ -182,7 +230,18 @@ def record(config: PipelineConfig, result: dict, layer_ids: list[int], seconds: 
 
     steps = int(result["steps"])
     return record_stage(
-        config.run_dir, "train", StageCounts(steps, steps), status="ok", counted="optimizer steps", total_steps=result["total_steps"],
-        best=result["best"], tokens=result["tokens"], seconds=round(seconds, 1), world_size=result["world_size"], layer_ids=layer_ids,
-        checkpoints=str(Path(config.run_dir) / "checkpoints"), config_hash=section_hash(config.train), versions=versions("torch"),
+        config.run_dir,
+        "train",
+        StageCounts(steps, steps),
+        status="ok",
+        counted="optimizer steps",
+        total_steps=result["total_steps"],
+        best=result["best"],
+        tokens=result["tokens"],
+        seconds=round(seconds, 1),
+        world_size=result["world_size"],
+        layer_ids=layer_ids,
+        checkpoints=str(Path(config.run_dir) / "checkpoints"),
+        config_hash=section_hash(config.train),
+        versions=versions("torch"),
     )

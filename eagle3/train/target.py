@@ -40,7 +40,9 @@ class TargetHead:
         return F.linear(x * self.norm_weight.float(), self.lm_head.float())
 
     def to(self, device) -> TargetHead:
-        return TargetHead(self.embed.to(device), self.norm_weight.to(device), self.lm_head.to(device), self.eps, self.config)
+        return TargetHead(
+            self.embed.to(device), self.norm_weight.to(device), self.lm_head.to(device), self.eps, self.config
+        )
 
 
 def _find(folder: Path, names: list[str]) -> dict[str, torch.Tensor]:
@@ -91,11 +93,16 @@ def load_target_head(model_path: str) -> TargetHead:
     hub id or ``tiny:`` spec with ``eagle3.models.resolve_model`` first)."""
     folder = Path(model_path)
     if not (folder / "config.json").exists():
-        raise TargetWeightsError(f"{folder}: no config.json (training reads the target's embeddings and head from a local folder)")
+        raise TargetWeightsError(
+            f"{folder}: no config.json (training reads the target's embeddings and head from a local folder)"
+        )
     config = json.loads((folder / "config.json").read_text())
     text = config.get("text_config", config)
     prefixes = ("model.", "model.language_model.", "language_model.model.")
-    wanted = [p + n for p in prefixes for n in ("embed_tokens.weight", "norm.weight")] + ["lm_head.weight", "language_model.lm_head.weight"]
+    wanted = [p + n for p in prefixes for n in ("embed_tokens.weight", "norm.weight")] + [
+        "lm_head.weight",
+        "language_model.lm_head.weight",
+    ]
     found = _find(folder, wanted)
 
     def first(*names):
@@ -106,9 +113,19 @@ def load_target_head(model_path: str) -> TargetHead:
     head = first("lm_head.weight", "language_model.lm_head.weight")
     if head is None and embed is not None and ties_embeddings(folder, config):
         head = embed
-    missing = [n for n, t in (("embed_tokens.weight", embed), ("norm.weight", norm), ("lm_head.weight", head)) if t is None]
+    missing = [
+        n for n, t in (("embed_tokens.weight", embed), ("norm.weight", norm), ("lm_head.weight", head)) if t is None
+    ]
     if missing:
-        untied = " (and config.json does not tie it to the embedding: tie_word_embeddings is false or, left out, false for this architecture)" \
-            if head is None and embed is not None else ""
-        raise TargetWeightsError(f"{folder}: the target's weights have no {', '.join(missing)} (looked under {', '.join(prefixes)}){untied}")
+        untied = (
+            (
+                " (and config.json does not tie it to the embedding: tie_word_embeddings is false or, left out, "
+                "false for this architecture)"
+            )
+            if head is None and embed is not None
+            else ""
+        )
+        raise TargetWeightsError(
+            f"{folder}: the target's weights have no {', '.join(missing)} (looked under {', '.join(prefixes)}){untied}"
+        )
     return TargetHead(embed, norm, head, float(text.get("rms_norm_eps", 1e-6)), config)

@@ -30,7 +30,15 @@ import torch
 
 from eagle3.config import PipelineConfig
 from eagle3.drafter.model import DrafterConfig, Eagle3Drafter
-from eagle3.durable import atomic_write_json, fsync_dir, owned_prefix, read_json, remove_inside, sweep_orphaned_temporaries, writing
+from eagle3.durable import (
+    atomic_write_json,
+    fsync_dir,
+    owned_prefix,
+    read_json,
+    remove_inside,
+    sweep_orphaned_temporaries,
+    writing,
+)
 from eagle3.train.data import (
     Dataset,
     collate,
@@ -85,7 +93,15 @@ class Dist:
 
 
 class Trainer:
-    def __init__(self, config: PipelineConfig, shards: list[str], model_path: str, layer_ids: list[int], dist: Dist | None = None, log=print):
+    def __init__(
+        self,
+        config: PipelineConfig,
+        shards: list[str],
+        model_path: str,
+        layer_ids: list[int],
+        dist: Dist | None = None,
+        log=print,
+    ):
         self.config, self.tc, self.log = config, config.train, log
         self.dist = dist or Dist()
         self.run = Path(config.run_dir)
@@ -105,16 +121,26 @@ class Trainer:
         if config.hidden_states.mode == "online":
             from eagle3.hidden.extract import cached_extractor
 
-            self.extractor = cached_extractor(model_path, layer_ids, config.hidden_states.dtype, self.dist.local_rank, max(self.dist.world, 1))
+            self.extractor = cached_extractor(
+                model_path, layer_ids, config.hidden_states.dtype, self.dist.local_rank, max(self.dist.world, 1)
+            )
         self.batches = micro_batches(self.data.train, self.tc.batch_tokens)
         self.steps_per_epoch = math.ceil(len(self.batches) / (self.dist.world * self.tc.grad_accum))
         self.total_steps = self.steps_per_epoch * self.tc.epochs
         self.wrapped = self._wrap()
-        self.trainable = [p for p in self.model.parameters() if p.requires_grad]  # after wrapping: FSDP swaps in sharded parameters
-        self.optimizer = torch.optim.AdamW(self.trainable, lr=self.tc.learning_rate, betas=(0.9, 0.95), weight_decay=self.tc.weight_decay)
+        self.trainable = [
+            p for p in self.model.parameters() if p.requires_grad
+        ]  # after wrapping: FSDP swaps in sharded parameters
+        self.optimizer = torch.optim.AdamW(
+            self.trainable, lr=self.tc.learning_rate, betas=(0.9, 0.95), weight_decay=self.tc.weight_decay
+        )
         self.step, self.best, self.tokens_global = 0, None, 0
         self.ckpt_dir = self.run / "checkpoints"
-        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.dist.device.type == "cuda" and self.tc.dtype == "bfloat16" else nullcontext())
+        self.autocast = (
+            torch.autocast("cuda", dtype=torch.bfloat16)
+            if self.dist.device.type == "cuda" and self.tc.dtype == "bfloat16"
+            else nullcontext()
+        )
 
     def _wrap(self):
         if self.dist.world == 1:
@@ -126,7 +152,9 @@ class Trainer:
             return self.model
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(self.model, device_ids=[self.dist.device.index] if self.dist.device.type == "cuda" else None)
+        return DistributedDataParallel(
+            self.model, device_ids=[self.dist.device.index] if self.dist.device.type == "cuda" else None
+        )
 
     # -- one micro-batch -------------------------------------------------------------------
 
@@ -137,7 +165,10 @@ class Trainer:
             aux = torch.zeros((len(samples), ids.shape[1], states[0][0].shape[-1]))
             last = torch.zeros((len(samples), ids.shape[1], states[0][1].shape[-1]))
             for b, (a, h) in enumerate(states):
-                aux[b, : len(a)], last[b, : len(h)] = a.to(torch.bfloat16).float(), h.to(torch.bfloat16).float()  # as if stored
+                aux[b, : len(a)], last[b, : len(h)] = (
+                    a.to(torch.bfloat16).float(),
+                    h.to(torch.bfloat16).float(),
+                )  # as if stored
         dev = self.dist.device
         ids, mask, valid, aux, last = ids.to(dev), mask.to(dev), valid.to(dev), aux.to(dev).float(), last.to(dev)
         with torch.no_grad():
@@ -161,13 +192,21 @@ class Trainer:
                 self.step += 1
                 self._log_step(epoch, stats, tokens, time.perf_counter() - t0)
                 end_of_epoch = i == len(plan) - 1
-                evaluate = (self.tc.eval_every_steps and self.step % self.tc.eval_every_steps == 0) or (not self.tc.eval_every_steps and end_of_epoch)
+                evaluate = (self.tc.eval_every_steps and self.step % self.tc.eval_every_steps == 0) or (
+                    not self.tc.eval_every_steps and end_of_epoch
+                )
                 if evaluate:
                     self._evaluate(epoch)
                 if evaluate or self.step % self.tc.save_every_steps == 0 or self.step == self.total_steps:
                     self.save()
         elapsed = time.perf_counter() - started
-        return {"steps": self.step, "total_steps": self.total_steps, "best": self.best, "seconds": elapsed, "tokens": self.tokens_global}
+        return {
+            "steps": self.step,
+            "total_steps": self.total_steps,
+            "best": self.best,
+            "seconds": elapsed,
+            "tokens": self.tokens_global,
+        }
 
     def _optimizer_step(self, per_rank):
         lr = lr_at(self.step, self.total_steps, self.tc)
@@ -199,18 +238,32 @@ class Trainer:
 
     def _log_step(self, epoch, stats_list, tokens, seconds) -> None:
         K = self.tc.ttt_steps
-        local = [sum(s["ce_sum"][k] for s in stats_list) for k in range(K)] + [sum(s["counted"][k] for s in stats_list) for k in range(K)] + [tokens]
+        local = (
+            [sum(s["ce_sum"][k] for s in stats_list) for k in range(K)]
+            + [sum(s["counted"][k] for s in stats_list) for k in range(K)]
+            + [tokens]
+        )
         total = self.dist.sum(local)
-        ce, counted, tokens_all = total[:K], total[K: 2 * K], int(total[-1])
+        ce, counted, tokens_all = total[:K], total[K : 2 * K], int(total[-1])
         self.tokens_global += tokens_all
         per_step = [ce[k] / max(counted[k], 1) for k in range(K)]
         if self.dist.rank == 0:
-            line = {"step": self.step, "epoch": epoch, "lr": lr_at(self.step - 1, self.total_steps, self.tc),
-                    "loss": sum((self.tc.step_weight_decay ** k) * per_step[k] for k in range(K)), "loss_per_step": per_step,
-                    "tokens": tokens_all, "seconds": round(seconds, 4), "tokens_per_s": round(tokens_all / max(seconds, 1e-9), 1)}
+            line = {
+                "step": self.step,
+                "epoch": epoch,
+                "lr": lr_at(self.step - 1, self.total_steps, self.tc),
+                "loss": sum((self.tc.step_weight_decay**k) * per_step[k] for k in range(K)),
+                "loss_per_step": per_step,
+                "tokens": tokens_all,
+                "seconds": round(seconds, 4),
+                "tokens_per_s": round(tokens_all / max(seconds, 1e-9), 1),
+            }
             _append(self.run / "train" / "log.jsonl", line)
             if self.step == 1 or self.step % 10 == 0 or self.step == self.total_steps:
-                self.log(f"step {self.step}/{self.total_steps} epoch {epoch} loss {line['loss']:.4f} lr {line['lr']:.2e} {line['tokens_per_s']:.0f} tokens/s")
+                self.log(
+                    f"step {self.step}/{self.total_steps} epoch {epoch} loss {line['loss']:.4f} lr "
+                    f"{line['lr']:.2e} {line['tokens_per_s']:.0f} tokens/s"
+                )
 
     # -- evaluation ------------------------------------------------------------------------
 
@@ -236,7 +289,10 @@ class Trainer:
             _append(self.run / "train" / "eval.jsonl", line)
             if self.best is None or metrics["acceptance_length"] > self.best["acceptance_length"]:
                 self.best = {"step": self.step, "acceptance_length": metrics["acceptance_length"]}
-            self.log(f"eval at step {self.step}: acceptance length {metrics['acceptance_length']:.3f}, accuracy {[round(a, 3) for a in metrics['accuracy']]}")
+            self.log(
+                f"eval at step {self.step}: acceptance length {metrics['acceptance_length']:.3f}, accuracy "
+                f"{[round(a, 3) for a in metrics['accuracy']]}"
+            )
         self.dist.barrier()
 
     # -- checkpoints -----------------------------------------------------------------------
@@ -250,7 +306,9 @@ class Trainer:
             )
 
             opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            return get_model_state_dict(self.model, options=opts), get_optimizer_state_dict(self.model, self.optimizer, options=opts)
+            return get_model_state_dict(self.model, options=opts), get_optimizer_state_dict(
+                self.model, self.optimizer, options=opts
+            )
         return self.model.state_dict(), self.optimizer.state_dict()
 
     def save(self) -> None:
@@ -290,8 +348,17 @@ class Trainer:
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": CKPT_FORMAT})
         torch.save(opt_state, tmp / "optimizer.pt")
         (tmp / "drafter_config.json").write_text(self.drafter_config.to_json())
-        atomic_write_json(tmp / "trainer_state.json", {"step": self.step, "total_steps": self.total_steps, "best": self.best, "seed": self.tc.seed,
-                                                        "layer_ids": self.layer_ids, "target": self.model_path})
+        atomic_write_json(
+            tmp / "trainer_state.json",
+            {
+                "step": self.step,
+                "total_steps": self.total_steps,
+                "best": self.best,
+                "seed": self.tc.seed,
+                "layer_ids": self.layer_ids,
+                "target": self.model_path,
+            },
+        )
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
@@ -328,15 +395,20 @@ def _load_tensors_only(path: Path, device) -> dict:
         return torch.load(path, map_location=device, weights_only=True)
     except pickle.UnpicklingError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"{path}: refusing to load, it holds more than tensors and numbers ({first}); "
-                         "delete this checkpoint folder to resume from an earlier one, or the checkpoints folder to start over") from None
+        raise ValueError(
+            f"{path}: refusing to load, it holds more than tensors and numbers ({first}); "
+            "delete this checkpoint folder to resume from an earlier one, or the checkpoints folder to start over"
+        ) from None
 
 
 # Native serialisers report a failed write as their own error type (measured on a full tmpfs):
 # safetensors as SafetensorError("Error while serializing: I/O error: No space left on device (os
 # error 28)"), torch as RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576
 # vs 534") for a short write, or "... file write failed".
-_IO_FAILURE = re.compile(r"I/O error|IoError|os error \d+|unexpected pos \d+ vs \d+|file write failed|No space left|quota exceeded", re.IGNORECASE)
+_IO_FAILURE = re.compile(
+    r"I/O error|IoError|os error \d+|unexpected pos \d+ vs \d+|file write failed|No space left|quota exceeded",
+    re.IGNORECASE,
+)
 
 
 def _as_os_error(exc: Exception) -> OSError | None:

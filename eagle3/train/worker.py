@@ -26,7 +26,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[rank {dist.rank}] {message}", flush=True)
 
     try:
-        trainer = Trainer(PipelineConfig(**request["config"]), request["shards"], request["model_path"], request["layer_ids"], dist, log)
+        trainer = Trainer(
+            PipelineConfig(**request["config"]),
+            request["shards"],
+            request["model_path"],
+            request["layer_ids"],
+            dist,
+            log,
+        )
         result = trainer.train()
         if dist.rank == 0:
             from eagle3.durable import atomic_write_json

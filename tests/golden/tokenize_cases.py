@@ -53,7 +53,10 @@ def render_all() -> dict:
         tok = tokenizer_for(name)
         for conv_name, conv in CONVERSATIONS.items():
             sample = from_template(tok, conv)
-            out[f"{name}/{conv_name}"] = {"input_ids": sample.input_ids.tolist(), "loss_mask": sample.loss_mask.tolist()}
+            out[f"{name}/{conv_name}"] = {
+                "input_ids": sample.input_ids.tolist(),
+                "loss_mask": sample.loss_mask.tolist(),
+            }
     return out
 
 

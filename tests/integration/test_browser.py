@@ -20,7 +20,7 @@ from prefect_server import Server
 pytestmark = pytest.mark.integration
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
-RUN_SCRIPT = textwrap.dedent('''
+RUN_SCRIPT = textwrap.dedent("""
     import asyncio, json, sys
     sys.path[:0] = [{tests!r}]
     from prefect import flow
@@ -39,22 +39,34 @@ RUN_SCRIPT = textwrap.dedent('''
     src, run = sys.argv[1], sys.argv[2]
     rule = FaultRule(match="please retry me", kind="status", status=503, times=3)
     with run_fake_server(FakeConfig(rules=[rule])) as fake:
-        config = load_config(DEMO_RECIPE, [f'run_dir="{{run}}"', f'data.source="{{src}}"', "data.num_shards=2", 'server.mode="external"',
-                                    'server.model="fake-target"', f'server.urls=["{{fake.base_url}}"]', "generation.max_attempts=2",
-                                    "generation.backoff_base_s=0.05", "generation.backoff_max_s=0.1", "generation.shard_retry_delay_s=0"])
+        config = load_config(
+            DEMO_RECIPE,
+            [
+                f'run_dir="{{run}}"', f'data.source="{{src}}"', "data.num_shards=2", 'server.mode="external"',
+                'server.model="fake-target"', f'server.urls=["{{fake.base_url}}"]', "generation.max_attempts=2",
+                "generation.backoff_base_s=0.05", "generation.backoff_max_s=0.1", "generation.shard_retry_delay_s=0",
+            ],
+        )
         state = asyncio.run(small_pipeline(config, return_state=True))
     print(json.dumps({{"flow_run_id": str(state.state_details.flow_run_id), "state": state.type.value}}))
-''')
+""")
 
 
 def api(server: Server, path: str, body: dict | None = None):
-    r = httpx.post(f"{server.api}{path}", json=body or {}, timeout=10) if body is not None else httpx.get(f"{server.api}{path}", timeout=10)
+    r = (
+        httpx.post(f"{server.api}{path}", json=body or {}, timeout=10)
+        if body is not None
+        else httpx.get(f"{server.api}{path}", timeout=10)
+    )
     r.raise_for_status()
     return r.json()
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.skipif(not shutil.which("chromium") and not shutil.os.path.exists(CHROMIUM), reason="Debian's chromium is not installed (apt-get install chromium)")
+@pytest.mark.skipif(
+    not shutil.which("chromium") and not shutil.os.path.exists(CHROMIUM),
+    reason="Debian's chromium is not installed (apt-get install chromium)",
+)
 def test_a_user_sees_the_run_its_task_runs_the_retry_and_the_report_in_the_ui(tmp_path):
     from playwright.sync_api import expect, sync_playwright
 
@@ -63,8 +75,14 @@ def test_a_user_sees_the_run_its_task_runs_the_retry_and_the_report_in_the_ui(tm
     src.write_text("".join(json.dumps({"messages": [{"role": "user", "content": p}]}) + "\n" for p in prompts))
     server = Server(tmp_path / "prefect")
     try:
-        out = subprocess.run([sys.executable, "-c", RUN_SCRIPT.format(tests=str(ROOT / "tests")), str(src), str(tmp_path / "run")],
-                             env=server.env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            [sys.executable, "-c", RUN_SCRIPT.format(tests=str(ROOT / "tests")), str(src), str(tmp_path / "run")],
+            env=server.env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert out.returncode == 0, out.stderr[-3000:]
         result = json.loads(out.stdout.strip().splitlines()[-1])
         assert result["state"] == "COMPLETED"
@@ -73,12 +91,23 @@ def test_a_user_sees_the_run_its_task_runs_the_retry_and_the_report_in_the_ui(tm
         generate = next(r for r in children if api(server, f"/flows/{r['flow_id']}")["name"] == "eagle3-generate")
         tasks = api(server, "/task_runs/filter", {"flow_runs": {"id": {"any_": [generate["id"]]}}})
         retried = next(t for t in tasks if t["name"].startswith("generate-shard") and t["run_count"] == 2)
-        report = next(a for a in api(server, "/artifacts/filter", {"artifacts": {"key": {"any_": ["pipeline-report"]}}}))
+        report = next(
+            a for a in api(server, "/artifacts/filter", {"artifacts": {"key": {"any_": ["pipeline-report"]}}})
+        )
         ui = server.api.removesuffix("/api")
 
         with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                                                                        "--disable-component-update", "--disable-sync", "--no-first-run"])
+            browser = p.chromium.launch(
+                executable_path=CHROMIUM,
+                args=[
+                    "--no-sandbox",
+                    "--disable-gpu",
+                    "--disable-background-networking",
+                    "--disable-component-update",
+                    "--disable-sync",
+                    "--no-first-run",
+                ],
+            )
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
 
             page.goto(f"{ui}/runs/flow-run/{parent}")

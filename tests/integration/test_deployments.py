@@ -12,8 +12,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import DEMO_RECIPE, ROOT
 
+from conftest import DEMO_RECIPE, ROOT
 from eagle3.config import overlay, read_toml
 from prefect_server import VENV, Server, free_port, stop_group
 
@@ -48,14 +48,29 @@ def test_nightly_deployment_runs_and_a_second_night_generates_nothing_new(tmp_pa
         deployments = httpx.post(f"{server.api}/deployments/filter", json={}, timeout=10).json()
         nightly = next(d for d in deployments if d["name"] == "nightly-regeneration")
         schedule = nightly["schedules"][0]["schedule"]
-        assert schedule["cron"] == "0 2 * * *" and schedule["timezone"] == "Europe/Berlin" and nightly["work_pool_name"] == "eagle3-process"
+        assert (
+            schedule["cron"] == "0 2 * * *"
+            and schedule["timezone"] == "Europe/Berlin"
+            and nightly["work_pool_name"] == "eagle3-process"
+        )
         assert any(d["name"] == "full-pipeline" for d in deployments)
 
         worker_log = open(tmp_path / "worker.log", "w")
-        worker = subprocess.Popen([VENV / "prefect", "worker", "start", "--pool", "eagle3-process"], env=server.env, cwd=ROOT,
-                                  stdout=worker_log, stderr=subprocess.STDOUT, start_new_session=True)
+        worker = subprocess.Popen(
+            [VENV / "prefect", "worker", "start", "--pool", "eagle3-process"],
+            env=server.env,
+            cwd=ROOT,
+            stdout=worker_log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         run = tmp_path / "nightly"
-        params = {"config": overlay(read_toml(DEMO_RECIPE), {"run_dir": str(run), "data": {"limit": 10, "num_shards": 2}, "server": {"python": str(VLLM_PYTHON)}})}
+        params = {
+            "config": overlay(
+                read_toml(DEMO_RECIPE),
+                {"run_dir": str(run), "data": {"limit": 10, "num_shards": 2}, "server": {"python": str(VLLM_PYTHON)}},
+            )
+        }
         assert trigger(server, params) == "COMPLETED", (tmp_path / "worker.log").read_text()[-4000:]
         gen = run / "generations"
         first = {f.name: (f.stat().st_mtime_ns, f.read_text()) for f in sorted(gen.glob("shard-?????.jsonl"))}
@@ -125,17 +140,39 @@ def test_a_postgres_backed_server_runs_a_flow(tmp_path):
     if as_user:
         shutil.chown(pg_root, "postgres")
     bin_dir, data, port = _postgres_bin(), pg_root / "data", free_port()
-    subprocess.run([*as_user, bin_dir / "initdb", "-D", data, "-U", "prefect", "--auth=trust"], check=True, capture_output=True, timeout=120)
-    pg = subprocess.Popen([*as_user, bin_dir / "postgres", "-D", data, "-p", str(port), "-k", str(pg_root), "-h", "127.0.0.1"],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    subprocess.run(
+        [*as_user, bin_dir / "initdb", "-D", data, "-U", "prefect", "--auth=trust"],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    pg = subprocess.Popen(
+        [*as_user, bin_dir / "postgres", "-D", data, "-p", str(port), "-k", str(pg_root), "-h", "127.0.0.1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     server = None
     try:
         wait_and_create_db(port)
         url = f"postgresql+asyncpg://prefect@127.0.0.1:{port}/prefect"
         server = Server(tmp_path / "prefect", {"PREFECT_API_DATABASE_CONNECTION_URL": url})
-        out = subprocess.run([VENV / "python", "-c", "from flows.prepare import prepare_flow; from eagle3.config import DEMO_RECIPE, load_config; "
-                              f"s = prepare_flow(load_config(DEMO_RECIPE, ['run_dir=\"{tmp_path / 'run'}\"']), return_state=True); print(s.type.value)"],
-                             env=server.env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            [
+                VENV / "python",
+                "-c",
+                (
+                    "from flows.prepare import prepare_flow; from eagle3.config import DEMO_RECIPE, load_config; "
+                    f"s = prepare_flow(load_config(DEMO_RECIPE, ['run_dir=\"{tmp_path / 'run'}\"']), "
+                    "return_state=True); print(s.type.value)"
+                ),
+            ],
+            env=server.env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert out.returncode == 0 and out.stdout.strip().endswith("COMPLETED"), out.stderr[-3000:]
         runs = httpx.post(f"{server.api}/flow_runs/filter", json={}, timeout=10).json()
         assert [r["state"]["type"] for r in runs] == ["COMPLETED"], "the run is recorded in the Postgres-backed server"
@@ -155,23 +192,45 @@ def test_two_workers_share_one_pool(tmp_path):
     workers = []
     try:
         server.prefect("work-pool", "create", "eagle3-process", "--type", "process", "--overwrite")
-        server.prefect("--no-prompt", "deploy", "flows/prepare.py:prepare_flow", "--name", "scale-out", "--pool", "eagle3-process")
+        server.prefect(
+            "--no-prompt", "deploy", "flows/prepare.py:prepare_flow", "--name", "scale-out", "--pool", "eagle3-process"
+        )
         for name in ("worker-a", "worker-b"):
             log = open(tmp_path / f"{name}.log", "w")
-            workers.append(subprocess.Popen([VENV / "prefect", "worker", "start", "--pool", "eagle3-process", "--name", name, "--limit", "1"],
-                                            env=server.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            workers.append(
+                subprocess.Popen(
+                    [VENV / "prefect", "worker", "start", "--pool", "eagle3-process", "--name", name, "--limit", "1"],
+                    env=server.env,
+                    cwd=ROOT,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
         ids = []
         for k in range(4):
-            out = server.prefect("deployment", "run", "eagle3-prepare/scale-out", "--params", json.dumps({"config": overlay(read_toml(DEMO_RECIPE), {"run_dir": str(tmp_path / f"run-{k}")})}))
+            out = server.prefect(
+                "deployment",
+                "run",
+                "eagle3-prepare/scale-out",
+                "--params",
+                json.dumps({"config": overlay(read_toml(DEMO_RECIPE), {"run_dir": str(tmp_path / f"run-{k}")})}),
+            )
             ids.append(next(line.split("UUID:")[1].strip() for line in out.stdout.splitlines() if "UUID:" in line))
         deadline = time.monotonic() + 400
-        while time.monotonic() < deadline and any(flow_run_state(server, i) not in ("COMPLETED", "FAILED", "CRASHED") for i in ids):
+        while time.monotonic() < deadline and any(
+            flow_run_state(server, i) not in ("COMPLETED", "FAILED", "CRASHED") for i in ids
+        ):
             time.sleep(2)
         assert [flow_run_state(server, i) for i in ids] == ["COMPLETED"] * 4
         # Which worker ran which run: its "Worker 'NAME' submitting flow run 'ID'" line (a worker can also
         # mention a run it lost the race for, so plain id matches are not counted).
-        ran = {name: {i for i in ids if f"Worker '{name}' submitting flow run '{i}'" in (tmp_path / f"{name}.log").read_text()}
-               for name in ("worker-a", "worker-b")}
+        ran = {
+            name: {
+                i for i in ids if f"Worker '{name}' submitting flow run '{i}'" in (tmp_path / f"{name}.log").read_text()
+            }
+            for name in ("worker-a", "worker-b")
+        }
         assert ran["worker-a"] | ran["worker-b"] == set(ids) and all(ran.values()), ran
         assert all((tmp_path / f"run-{k}" / "prompts" / "_SUCCESS.json").exists() for k in range(4))
     finally:

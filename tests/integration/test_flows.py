@@ -9,11 +9,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fake_openai import FakeConfig, FaultRule, run_fake_server
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterParentFlowRunId
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterKey,
+    FlowRunFilter,
+    FlowRunFilterParentFlowRunId,
+)
 
 from conftest import DEMO_RECIPE, PYTHON, ROOT
+from fake_openai import FakeConfig, FaultRule, run_fake_server
 
 pytestmark = pytest.mark.integration
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -26,7 +31,9 @@ def vllm_processes() -> list[str]:
 
 
 def children_of(client, parent_id):
-    runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id])))
+    runs = client.read_flow_runs(
+        flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id]))
+    )
     return {client.read_flow(r.flow_id).name: r for r in runs}
 
 
@@ -44,20 +51,38 @@ def test_pipeline_flow_generates_with_real_vllm(prefect_server, demo_config, mon
     secret = "SENTINEL-api-key-7f3a9c"  # every managed server of this run gets this key, to look for it afterwards
     monkeypatch.setattr(managed.secrets, "token_urlsafe", lambda n=32: secret)
 
-    config = demo_config("data.limit=24", "data.num_shards=2", f'server.python="{VLLM_PYTHON}"', "evaluate.compare_untrained=false",
-                         "evaluate.num_prompts=4", "evaluate.max_tokens=32", "train.epochs=2", 'evaluate.methods=["trained"]',
-                         'evaluate.prompt_sets=["heldout"]', "evaluate.concurrencies=[1]", "evaluate.rounds=1")
+    config = demo_config(
+        "data.limit=24",
+        "data.num_shards=2",
+        f'server.python="{VLLM_PYTHON}"',
+        "evaluate.compare_untrained=false",
+        "evaluate.num_prompts=4",
+        "evaluate.max_tokens=32",
+        "train.epochs=2",
+        'evaluate.methods=["trained"]',
+        'evaluate.prompt_sets=["heldout"]',
+        "evaluate.concurrencies=[1]",
+        "evaluate.rounds=1",
+    )
     state = asyncio.run(pipeline_flow(config, return_state=True))
     assert state.is_completed(), state
     assert not vllm_processes(), "the managed server must be gone after the flow"
     run = Path(config.run_dir)
     manifest = json.loads((run / "manifest.json").read_text())["stages"]
     gen = manifest["generate"]
-    assert gen["status"] == "ok" and gen["in"] == manifest["prepare"]["ok"] == gen["ok"] + gen["failed"] + gen["filtered"]
-    records = [json.loads(line) for f in sorted((run / "generations").glob("shard-?????.jsonl")) for line in f.read_text().splitlines()]
+    assert (
+        gen["status"] == "ok" and gen["in"] == manifest["prepare"]["ok"] == gen["ok"] + gen["failed"] + gen["filtered"]
+    )
+    records = [
+        json.loads(line)
+        for f in sorted((run / "generations").glob("shard-?????.jsonl"))
+        for line in f.read_text().splitlines()
+    ]
     assert len(records) == gen["ok"] > 0
     assert all(r["prompt_token_ids"] and r["completion_token_ids"] for r in records)
-    assert sum(1 for r in records if r["reasoning"]) >= len(records) // 2, "the reasoning parser should split most samples"
+    assert sum(1 for r in records if r["reasoning"]) >= len(records) // 2, (
+        "the reasoning parser should split most samples"
+    )
     assert sum(1 for r in records if r["finish_reason"] == "stop") >= len(records) // 2
     by_id = {r["id"]: r for r in records}
     import pyarrow.parquet as pq
@@ -78,12 +103,23 @@ def test_pipeline_flow_generates_with_real_vllm(prefect_server, demo_config, mon
     for f in sorted((run / "tokenized").glob("shard-?????.parquet")):
         tokenized = pq.read_table(f, columns=["num_tokens"]).column("num_tokens").to_pylist()
         states = ShardStates(run / "hidden_states" / f"{f.stem}.safetensors")
-        assert len(states) == len(tokenized) and np.diff(states.offsets).tolist() == tokenized, "one state row per token, per sample"
-    assert manifest["train"]["ok"] == manifest["train"]["total_steps"] > 0 and (run / "checkpoints" / "best.json").exists()
-    assert (run / "export" / "vllm" / "config.json").exists() and (run / "export" / "speculators" / "config.json").exists()
+        assert len(states) == len(tokenized) and np.diff(states.offsets).tolist() == tokenized, (
+            "one state row per token, per sample"
+        )
+    assert (
+        manifest["train"]["ok"] == manifest["train"]["total_steps"] > 0 and (run / "checkpoints" / "best.json").exists()
+    )
+    assert (run / "export" / "vllm" / "config.json").exists() and (
+        run / "export" / "speculators" / "config.json"
+    ).exists()
     live = json.loads((run / "evaluate" / "live.json").read_text())
-    assert [(c["method"], c["temperature"]) for c in live["cells"]] == [("trained", 0.0), ("trained", config.generation.temperature)]
-    assert all(c["requests_ok"] == 4 and c["counters"]["drafts"] > 0 for c in live["cells"]), "vLLM served the exported drafter and drafted"
+    assert [(c["method"], c["temperature"]) for c in live["cells"]] == [
+        ("trained", 0.0),
+        ("trained", config.generation.temperature),
+    ]
+    assert all(c["requests_ok"] == 4 and c["counters"]["drafts"] > 0 for c in live["cells"]), (
+        "vLLM served the exported drafter and drafted"
+    )
     log = (run / "generations" / "server.log").read_text()
     assert "Application startup complete" in log or "Uvicorn running" in log or "Started server process" in log
 
@@ -91,7 +127,16 @@ def test_pipeline_flow_generates_with_real_vllm(prefect_server, demo_config, mon
         parent = client.read_flow_run(state.state_details.flow_run_id)
         assert re.fullmatch(r"tiny-qwen3-\d{8}-\d{4}", parent.name), parent.name
         children = children_of(client, parent.id)
-        assert set(children) == {"eagle3-prepare", "eagle3-generate", "eagle3-tokenize", "eagle3-vocab", "eagle3-extract", "eagle3-train", "eagle3-export", "eagle3-evaluate"}
+        assert set(children) == {
+            "eagle3-prepare",
+            "eagle3-generate",
+            "eagle3-tokenize",
+            "eagle3-vocab",
+            "eagle3-extract",
+            "eagle3-train",
+            "eagle3-export",
+            "eagle3-evaluate",
+        }
         names = sorted(t.name.rsplit("-", 1)[0] for t in task_runs_of(client, children["eagle3-generate"].id))
         assert names == ["generate-shard-00000", "generate-shard-00001", "generate-summary"]
         assert client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["generate-errors"])))
@@ -107,7 +152,9 @@ def test_pipeline_flow_generates_with_real_vllm(prefect_server, demo_config, mon
         run_ids = [parent.id, *(r.id for r in children.values())]
         logs, page = [], None
         while page is None or len(page) == 200:  # the server serves at most 200 log lines per request
-            page = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=run_ids)), limit=200, offset=len(logs))
+            page = client.read_logs(
+                log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=run_ids)), limit=200, offset=len(logs)
+            )
             logs += page
         assert logs and not [entry.message for entry in logs if secret in entry.message]
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id={"any_": run_ids}))
@@ -134,7 +181,9 @@ def test_failed_prepare_fails_the_flow_run(prefect_server, tmp_path):
 
     src = tmp_path / "bad.jsonl"
     src.write_text('{"text": 1}\n{"text": 2}\n')
-    state = prepare_flow(load_config(DEMO_RECIPE, [f'run_dir="{tmp_path / "run"}"', f'data.source="{src}"']), return_state=True)
+    state = prepare_flow(
+        load_config(DEMO_RECIPE, [f'run_dir="{tmp_path / "run"}"', f'data.source="{src}"']), return_state=True
+    )
     assert state.is_failed()
     with pytest.raises(PrepareError, match="2 of 2 candidate prompts were rejected"):
         state.result()
@@ -186,9 +235,18 @@ def external(demo_config, tmp_path, url, *sets):
     src = tmp_path / "prompts.jsonl"
     prompts = ["please retry me"] + [f"ordinary question {i}" for i in range(19)]
     src.write_text("".join(json.dumps({"messages": [{"role": "user", "content": p}]}) + "\n" for p in prompts))
-    config = demo_config(f'data.source="{src}"', "data.num_shards=2", 'server.mode="external"', 'server.model="fake-target"', f'server.urls=["{url}"]',
-                         "generation.backoff_base_s=0.05", "generation.backoff_max_s=0.1", "generation.max_attempts=2",
-                         "generation.shard_retry_delay_s=0", *sets)
+    config = demo_config(
+        f'data.source="{src}"',
+        "data.num_shards=2",
+        'server.mode="external"',
+        'server.model="fake-target"',
+        f'server.urls=["{url}"]',
+        "generation.backoff_base_s=0.05",
+        "generation.backoff_max_s=0.1",
+        "generation.max_attempts=2",
+        "generation.shard_retry_delay_s=0",
+        *sets,
+    )
     run_prepare(config)
     return config
 
@@ -196,8 +254,8 @@ def external(demo_config, tmp_path, url, *sets):
 def test_shard_task_is_retried_by_prefect_and_resumes(prefect_server, demo_config, tmp_path):
     import asyncio
 
-    from eagle3.prepare.stage import shard_of
     from eagle3.prepare.normalize import prompt_id
+    from eagle3.prepare.stage import shard_of
     from flows.generate import generate_flow
 
     # "please retry me" fails 3 times: its shard's first task attempt exhausts max_attempts=2,
@@ -225,7 +283,9 @@ def test_too_many_failures_fail_the_flow_loudly(prefect_server, demo_config, tmp
     from eagle3.generate.stage import GenerationFailed
     from flows.generate import generate_flow
 
-    with run_fake_server(FakeConfig(rules=[FaultRule(match="ordinary", kind="status", status=400, times=None)])) as fake:
+    with run_fake_server(
+        FakeConfig(rules=[FaultRule(match="ordinary", kind="status", status=400, times=None)])
+    ) as fake:
         config = external(demo_config, tmp_path, fake.base_url)
         state = asyncio.run(generate_flow(config, return_state=True))
     assert state.is_failed()
@@ -256,8 +316,13 @@ def _check_reduced_vocabulary(run: Path) -> None:
 
 # The live comparison's full matrix (4 methods, 2 prompt sets, 2 concurrencies, 3 rounds) is for real runs;
 # here the trained drafter against the untrained one, once, at the temperature the test checks.
-CLI_EVALUATE = ['evaluate.methods=["untrained", "trained"]', 'evaluate.prompt_sets=["heldout"]', "evaluate.concurrencies=[1]",
-                "evaluate.rounds=1", "evaluate.temperatures=[0.0]"]
+CLI_EVALUATE = [
+    'evaluate.methods=["untrained", "trained"]',
+    'evaluate.prompt_sets=["heldout"]',
+    "evaluate.concurrencies=[1]",
+    "evaluate.rounds=1",
+    "evaluate.temperatures=[0.0]",
+]
 
 
 @needs_vllm
@@ -267,20 +332,44 @@ def test_eagle3_run_end_to_end_from_the_cli(tmp_path):
     env.pop("PREFECT_API_URL", None)
     # The whole demo (302 prompts), as `make demo` runs it (its recipe), with a draft
     # vocabulary of 1,024 of the target's 4,096 ids: the drafter must learn enough to beat an untrained one with the
-    # same vocabulary live -- which also checks vLLM maps draft ids through the exported d2t (a wrong map accepts nothing).
-    sets = [f'run_dir="{tmp_path / "run"}"', f'server.python="{VLLM_PYTHON}"', f"vocab.draft_vocab_size={DEMO_DRAFT_VOCAB}"]
+    # same vocabulary live -- which also checks vLLM maps draft ids through the exported d2t
+    # (a wrong map accepts nothing).
+    sets = [
+        f'run_dir="{tmp_path / "run"}"',
+        f'server.python="{VLLM_PYTHON}"',
+        f"vocab.draft_vocab_size={DEMO_DRAFT_VOCAB}",
+    ]
     result = subprocess.run(
-        [PYTHON, "-m", "eagle3.cli", "run", "--config", str(DEMO_RECIPE), *(arg for item in [*sets, *CLI_EVALUATE] for arg in ("--set", item))],
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=1500,
+        [
+            PYTHON,
+            "-m",
+            "eagle3.cli",
+            "run",
+            "--config",
+            str(DEMO_RECIPE),
+            *(arg for item in [*sets, *CLI_EVALUATE] for arg in ("--set", item)),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=1500,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    table = {line.split()[0]: line.split()[1:6] for line in result.stdout.splitlines()
-             if line.startswith(("prepare ", "generate ", "tokenize ", "vocab ", "extract ", "train ", "export ", "evaluate "))}
+    table = {
+        line.split()[0]: line.split()[1:6]
+        for line in result.stdout.splitlines()
+        if line.startswith(
+            ("prepare ", "generate ", "tokenize ", "vocab ", "extract ", "train ", "export ", "evaluate ")
+        )
+    }
     assert table["prepare"][:2] == ["ok", "313"] and table["generate"][0] == "ok"
     assert table["generate"][1] == table["prepare"][2], "every prepared prompt goes into generation"
     assert table["tokenize"][0] == "ok" and table["tokenize"][1] == table["generate"][2], "every sample is tokenized"
     assert table["vocab"][0] == "ok"
-    assert table["extract"][0] == "ok" and table["extract"][2] == table["tokenize"][2], "every tokenized sample gets its states"
+    assert table["extract"][0] == "ok" and table["extract"][2] == table["tokenize"][2], (
+        "every tokenized sample gets its states"
+    )
     assert f"hidden states: {tmp_path / 'run' / 'hidden_states'}" in result.stdout
     assert table["train"][0] == "ok" and table["export"][0] == "ok" and table["evaluate"][0] == "ok"
     _check_reduced_vocabulary(tmp_path / "run")
@@ -288,12 +377,17 @@ def test_eagle3_run_end_to_end_from_the_cli(tmp_path):
     assert live["export_info"]["draft_vocab_size"] == DEMO_DRAFT_VOCAB
     at_zero = {c["method"]: c for c in live["cells"] if c["temperature"] == 0.0}
     trained, untrained = at_zero["trained"], at_zero["untrained"]
-    print(f"live acceptance length at T=0: trained {trained['mean_acceptance_length']}, untrained {untrained['mean_acceptance_length']}")
+    print(
+        f"live acceptance length at T=0: trained {trained['mean_acceptance_length']}, untrained "
+        f"{untrained['mean_acceptance_length']}"
+    )
     assert trained["mean_acceptance_length"] >= untrained["mean_acceptance_length"] + 0.1, (trained, untrained)
     assert trained["counters"]["accepted_tokens"] > 2 * max(untrained["counters"]["accepted_tokens"], 1)
     assert "live (heldout prompts, T=0, concurrency 1): decode untrained" in result.stdout
     report = (tmp_path / "run" / "report.md").read_text()
     assert f"report:       {tmp_path / 'run' / 'report.md'}" in result.stdout
-    assert "## Acceptance (live, vLLM spec-decode counters)" in report and "![training curves](train/curves.png)" in report
+    assert (
+        "## Acceptance (live, vLLM spec-decode counters)" in report and "![training curves](train/curves.png)" in report
+    )
     assert f"manifest:     {tmp_path / 'run' / 'manifest.json'}" in result.stdout
     assert not vllm_processes()

@@ -47,8 +47,14 @@ def test_vllm_extraction_matches_transformers(tmp_path):
     log = logging.getLogger("test.hidden_vllm")
     began = time.monotonic()
     got = extract_with_vllm(
-        str(VLLM_PYTHON), str(model_dir), LAYER_IDS, samples, tmp_path / "work",
-        timeout_s=240, env={"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}, log=log,
+        str(VLLM_PYTHON),
+        str(model_dir),
+        LAYER_IDS,
+        samples,
+        tmp_path / "work",
+        timeout_s=240,
+        env={"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"},
+        log=log,
     )
     log.warning("vLLM extraction took %.1f s", time.monotonic() - began)
     assert list(got) == [sample_id for sample_id, _ in samples]
@@ -78,7 +84,10 @@ def test_vllm_extraction_matches_transformers(tmp_path):
                 worst[layer_id] = max(worst[layer_id], diff / max(scale, 1e-6))
                 log.warning("%s layer %d: max |diff| %.4g (scale %.3g)", sample_id, layer_id, diff, scale)
                 torch.testing.assert_close(
-                    actual, expected, rtol=2e-2, atol=2e-2 * max(scale, 1.0),
+                    actual,
+                    expected,
+                    rtol=2e-2,
+                    atol=2e-2 * max(scale, 1.0),
                     msg=lambda m, s=sample_id, i=layer_id: f"{s} layer {i}: {m}",
                 )
     finally:
@@ -93,20 +102,28 @@ def test_extract_stage_with_the_vllm_backend_stores_what_the_hf_backend_stores(t
     if not VLLM_PYTHON.exists():
         pytest.skip(f"vllm-cpu venv missing ({VLLM_PYTHON}); `make venv-vllm` builds it")
     import torch
-    from hidden_runs import make_run
 
     from eagle3.hidden.stage import extract_shard, plan
     from eagle3.hidden.store import ShardStates
+    from hidden_runs import make_run
 
     stored = {}
     for backend in ("hf", "vllm"):
-        config, names = make_run(tmp_path / backend, ((7, 40, 129, 3, 64),), f'hidden_states.backend="{backend}"', 'hidden_states.dtype="bfloat16"',
-                                 "hidden_states.vllm_chunk_tokens=150", f'server.python="{VLLM_PYTHON}"')
+        config, names = make_run(
+            tmp_path / backend,
+            ((7, 40, 129, 3, 64),),
+            f'hidden_states.backend="{backend}"',
+            'hidden_states.dtype="bfloat16"',
+            "hidden_states.vllm_chunk_tokens=150",
+            f'server.python="{VLLM_PYTHON}"',
+        )
         the_plan = plan(config, names)
         result = extract_shard(config, names[0], the_plan)
         assert (result.in_, result.ok, result.tokens) == (5, 5, 243)
         stored[backend] = ShardStates(Path(config.run_dir) / "hidden_states" / "shard-00000.safetensors")
-        assert not list((Path(config.run_dir) / "hidden_states").glob(".vllm-*")), "the worker's scratch folder is removed"
+        assert not list((Path(config.run_dir) / "hidden_states").glob(".vllm-*")), (
+            "the worker's scratch folder is removed"
+        )
     for k in range(5):
         for hf, vl in zip(stored["hf"].sample(k), stored["vllm"].sample(k)):
             scale = hf.float().abs().max().item()

@@ -38,10 +38,21 @@ STAGES = ("prepare", "generate", "tokenize", "vocab", "extract", "train")
 # Small and quick; concurrency 2 stretches generation over seconds so the kill lands mid-shard;
 # small training batches and a checkpoint every 2 steps give a resume point inside training.
 SMALL = [
-    "data.limit=40", "data.num_shards=2", "generation.max_tokens=64", "generation.concurrency=2",
-    "train.epochs=2", "train.batch_tokens=512", "train.save_every_steps=2",
-    "evaluate.compare_untrained=false", "evaluate.num_prompts=2", "evaluate.max_tokens=16", "evaluate.temperatures=[0.0]",
-    'evaluate.methods=["trained"]', 'evaluate.prompt_sets=["heldout"]', "evaluate.concurrencies=[1]", "evaluate.rounds=1",
+    "data.limit=40",
+    "data.num_shards=2",
+    "generation.max_tokens=64",
+    "generation.concurrency=2",
+    "train.epochs=2",
+    "train.batch_tokens=512",
+    "train.save_every_steps=2",
+    "evaluate.compare_untrained=false",
+    "evaluate.num_prompts=2",
+    "evaluate.max_tokens=16",
+    "evaluate.temperatures=[0.0]",
+    'evaluate.methods=["trained"]',
+    'evaluate.prompt_sets=["heldout"]',
+    "evaluate.concurrencies=[1]",
+    "evaluate.rounds=1",
     f'server.python="{VLLM_PYTHON}"',
 ]
 # Two training processes on the same inputs usually agree bit for bit, but not always: once in CI
@@ -86,8 +97,11 @@ def live_in_sessions(sessions: dict[int, int]) -> list[str]:
     here): a leader with that pid but another start time means the number was reused after
     our session emptied, and its processes are someone else's."""
     table = process_table()
-    return [f"{pid} {cmdline(pid)[:160]}" for pid, (state, _, sid, _) in table.items()
-            if sid in sessions and state != "Z" and (sid not in table or table[sid][3] == sessions[sid])]
+    return [
+        f"{pid} {cmdline(pid)[:160]}"
+        for pid, (state, _, sid, _) in table.items()
+        if sid in sessions and state != "Z" and (sid not in table or table[sid][3] == sessions[sid])
+    ]
 
 
 class Cli:
@@ -96,8 +110,15 @@ class Cli:
 
     def __init__(self, args: list[str], env: dict, log: Path):
         self.log = open(log, "w")
-        self.proc = subprocess.Popen([PYTHON, "-m", "eagle3.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=env, cwd=ROOT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [PYTHON, "-m", "eagle3.cli", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=ROOT,
+            start_new_session=True,
+        )
         self.lines: list[str] = []
         self.begun: dict[str, tuple[str, float]] = {}  # stage -> (flow run name, time its subflow began)
         self.sessions: dict[int, int] = {}  # session id -> its leader's start ticks
@@ -189,11 +210,20 @@ def triggers(run: Path) -> dict:
     return {
         "prepare": lambda cli: "prepare" in cli.begun,
         "generate": lambda cli: "generate" in cli.begun and shard_lines(run / "generations", "shard-?????.jsonl") >= 4,
-        "tokenize": lambda cli: "tokenize" in cli.begun and (any((run / "tokenized").glob("shard-*.done.json")) or since_begin(cli, "tokenize") > 4.0),
+        "tokenize": lambda cli: (
+            "tokenize" in cli.begun
+            and (any((run / "tokenized").glob("shard-*.done.json")) or since_begin(cli, "tokenize") > 4.0)
+        ),
         "vocab": lambda cli: "vocab" in cli.begun,
-        "extract": lambda cli: "extract" in cli.begun and (any((run / "hidden_states").glob("shard-*.done.json")) or since_begin(cli, "extract") > 6.0),
+        "extract": lambda cli: (
+            "extract" in cli.begun
+            and (any((run / "hidden_states").glob("shard-*.done.json")) or since_begin(cli, "extract") > 6.0)
+        ),
         # A checkpoint, and a step logged after it: the resumed run must drop that line and redo the step.
-        "train": lambda cli: (run / "checkpoints" / "latest.json").exists() and shard_lines(run / "train", "log.jsonl") > latest_step(run),
+        "train": lambda cli: (
+            (run / "checkpoints" / "latest.json").exists()
+            and shard_lines(run / "train", "log.jsonl") > latest_step(run)
+        ),
     }
 
 
@@ -202,11 +232,16 @@ def partial_state(run: Path, stage: str) -> str:
     if stage == "prepare":
         return f"prompts/_SUCCESS.json {'present' if (run / 'prompts' / '_SUCCESS.json').exists() else 'absent'}"
     if stage == "generate":
-        return f"{shard_lines(run / 'generations', 'shard-?????.jsonl')} records, {len(list((run / 'generations').glob('*.done.json')))}/2 shards done"
+        return (
+            f"{shard_lines(run / 'generations', 'shard-?????.jsonl')} records, "
+            f"{len(list((run / 'generations').glob('*.done.json')))}/2 shards done"
+        )
     if stage == "tokenize":
         return f"{len(list((run / 'tokenized').glob('*.done.json')))}/2 shards done"
     if stage == "vocab":
-        return f"draft_vocab.safetensors {'present' if (run / 'vocab' / 'draft_vocab.safetensors').exists() else 'absent'}"
+        return (
+            f"draft_vocab.safetensors {'present' if (run / 'vocab' / 'draft_vocab.safetensors').exists() else 'absent'}"
+        )
     if stage == "extract":
         return f"{len(list((run / 'hidden_states').glob('*.done.json')))}/2 shards done"
     return f"checkpoint step {latest_step(run)}, {shard_lines(run / 'train', 'log.jsonl')} steps logged"
@@ -265,7 +300,9 @@ def max_relative_difference(a: list[dict], b: list[dict], keys: tuple[str, ...])
 def assert_same_eval_counts(a: list[dict], b: list[dict]) -> None:
     """Held-out evaluations at the same steps over the same positions; each accuracy may move by at
     most one position (an argmax that float rounding tips between two near-equal logits)."""
-    assert [(x["step"], x["positions"], x["heldout_samples"]) for x in a] == [(y["step"], y["positions"], y["heldout_samples"]) for y in b]
+    assert [(x["step"], x["positions"], x["heldout_samples"]) for x in a] == [
+        (y["step"], y["positions"], y["heldout_samples"]) for y in b
+    ]
     for x, y in zip(a, b):
         for key in ("accuracy", "conditional_accuracy"):
             moved = max(abs(p - q) for p, q in zip(x[key], y[key])) * x["positions"]
@@ -303,11 +340,15 @@ def test_sigkill_inside_each_stage_then_rerun_matches_uninterrupted(tmp_path):
         finally:
             cli.kill()
         assert reached, f"the run never reached the kill point in {stage} (exit {cli.proc.returncode}):\n{cli.tail()}"
-        assert cli.inside(stage), f"the kill meant for {stage} landed elsewhere (begun: {list(cli.begun)}):\n{cli.tail()}"
+        assert cli.inside(stage), (
+            f"the kill meant for {stage} landed elsewhere (begun: {list(cli.begun)}):\n{cli.tail()}"
+        )
         state = partial_state(run, stage)
         seen = "\n".join(cli.seen.values())
         if stage == "generate":
-            assert "vllm.entrypoints.openai.api_server" in seen and "VLLM::EngineCore" in seen, "the kill met a running vLLM server"
+            assert "vllm.entrypoints.openai.api_server" in seen and "VLLM::EngineCore" in seen, (
+                "the kill met a running vLLM server"
+            )
         if stage == "train":
             assert "torch.distributed.run" in seen and "eagle3.train.worker" in seen, "the kill met a running torchrun"
         gone_s = wait_no_survivors(cli.sessions)
@@ -342,9 +383,17 @@ def test_sigkill_inside_each_stage_then_rerun_matches_uninterrupted(tmp_path):
     # 4. generate: exactly one record per prepared prompt, and the accounting adds up.
     import pyarrow.parquet as pq
 
-    prompt_ids = [i for f in sorted((run / "prompts").glob("shard-*.parquet")) for i in pq.read_table(f, columns=["id"]).column("id").to_pylist()]
-    records = [r["id"] for kind in ("jsonl", "failed.jsonl", "filtered.jsonl")
-               for f in sorted((run / "generations").glob(f"shard-?????.{kind}")) for r in read_jsonl(f)]
+    prompt_ids = [
+        i
+        for f in sorted((run / "prompts").glob("shard-*.parquet"))
+        for i in pq.read_table(f, columns=["id"]).column("id").to_pylist()
+    ]
+    records = [
+        r["id"]
+        for kind in ("jsonl", "failed.jsonl", "filtered.jsonl")
+        for f in sorted((run / "generations").glob(f"shard-?????.{kind}"))
+        for r in read_jsonl(f)
+    ]
     assert len(records) == len(set(records)), "a prompt has more than one generation record"
     assert sorted(records) == sorted(prompt_ids), "generation records and prepared prompts differ"
     manifest = json.loads((run / "manifest.json").read_text())["stages"]
@@ -352,7 +401,12 @@ def test_sigkill_inside_each_stage_then_rerun_matches_uninterrupted(tmp_path):
     assert gen["in"] == len(prompt_ids) == gen["ok"] + gen["failed"] + gen["filtered"], gen
 
     # 5. tokenize, vocab, extract: byte-identical to the uninterrupted run.
-    assert_same_files(run, ref, "tokenized", ("shard-*.parquet", "shard-*.counts.safetensors", "shard-*.rejected.jsonl", "shard-*.done.json"))
+    assert_same_files(
+        run,
+        ref,
+        "tokenized",
+        ("shard-*.parquet", "shard-*.counts.safetensors", "shard-*.rejected.jsonl", "shard-*.done.json"),
+    )
     assert_same_files(run, ref, "vocab", ("*",))
     assert_same_files(run, ref, "hidden_states", ("shard-*.safetensors", "shard-*.index.json", "shard-*.done.json"))
 
@@ -364,19 +418,38 @@ def test_sigkill_inside_each_stage_then_rerun_matches_uninterrupted(tmp_path):
     killed_log, ref_log = read_jsonl(run / "train" / "log.jsonl"), read_jsonl(ref / "train" / "log.jsonl")
     assert [x["step"] for x in killed_log] == list(range(1, total + 1)), "one log line per step, none twice"
     exact = ("step", "epoch", "lr", "tokens")  # the schedule and the data order: pure functions of the step
-    assert [[x[k] for k in exact] for x in killed_log] == [[x[k] for k in exact] for x in ref_log], "steps, learning rates or batches differ"
+    assert [[x[k] for k in exact] for x in killed_log] == [[x[k] for k in exact] for x in ref_log], (
+        "steps, learning rates or batches differ"
+    )
     drift = max(
         max_relative_difference(killed_log, ref_log, ("loss", "loss_per_step")),
-        max_relative_difference(read_jsonl(run / "train" / "eval.jsonl"), read_jsonl(ref / "train" / "eval.jsonl"), ("loss_per_step",)),
+        max_relative_difference(
+            read_jsonl(run / "train" / "eval.jsonl"), read_jsonl(ref / "train" / "eval.jsonl"), ("loss_per_step",)
+        ),
     )
-    assert drift <= CURVE_RTOL, f"the loss curve differs from the uninterrupted run's by {drift:.2e} (relative) > {CURVE_RTOL:.0e}"
+    assert drift <= CURVE_RTOL, (
+        f"the loss curve differs from the uninterrupted run's by {drift:.2e} (relative) > {CURVE_RTOL:.0e}"
+    )
     assert_same_eval_counts(read_jsonl(run / "train" / "eval.jsonl"), read_jsonl(ref / "train" / "eval.jsonl"))
     final_ckpt = f"checkpoints/step-{total:06d}/model.safetensors"
     bitwise = drift == 0 and (run / final_ckpt).read_bytes() == (ref / final_ckpt).read_bytes()
     if not bitwise:
         assert_close_weights(run / final_ckpt, ref / final_ckpt)
-    report.append(f"training resumed at step {step} of {total}; loss curve and final weights "
-                  + ("bitwise equal to the uninterrupted run" if bitwise else f"within {drift:.1e} (relative) of the uninterrupted run"))
+    report.append(
+        f"training resumed at step {step} of {total}; loss curve and final weights "
+        + (
+            "bitwise equal to the uninterrupted run"
+            if bitwise
+            else f"within {drift:.1e} (relative) of the uninterrupted run"
+        )
+    )
 
-    print("\n".join(["", *report,
-                     f"kill matrix + final run: {kill_matrix_s:.0f} s; whole test {time.monotonic() - began:.0f} s"]))
+    print(
+        "\n".join(
+            [
+                "",
+                *report,
+                f"kill matrix + final run: {kill_matrix_s:.0f} s; whole test {time.monotonic() - began:.0f} s",
+            ]
+        )
+    )

@@ -23,8 +23,14 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 PROMPTS = [
-    "What is the capital of France?", "Count from one to five.", "Name three colours.", "Write a haiku about rain.",
-    "What is two plus two?", "Describe a cat in one sentence.", "Give me a word that rhymes with tree.", "Say hello.",
+    "What is the capital of France?",
+    "Count from one to five.",
+    "Name three colours.",
+    "Write a haiku about rain.",
+    "What is two plus two?",
+    "Describe a cat in one sentence.",
+    "Give me a word that rhymes with tree.",
+    "Say hello.",
 ]
 SPEC_TOKENS = 3
 log = logging.getLogger("test.live_eval")
@@ -39,11 +45,20 @@ def needs_vllm():
 def _config(run_dir: Path, *sets: str):
     from eagle3.config import DEMO_RECIPE, load_config
 
-    return load_config(DEMO_RECIPE, [
-        f'run_dir="{run_dir}"', f'server.python="{VLLM_PYTHON}"', "server.startup_timeout_s=300", "server.stop_grace_s=30",
-        "evaluate.num_prompts=4", "evaluate.max_tokens=32", f"evaluate.num_speculative_tokens={SPEC_TOKENS}",
-        "train.eval_fraction=0.5", *sets,
-    ])
+    return load_config(
+        DEMO_RECIPE,
+        [
+            f'run_dir="{run_dir}"',
+            f'server.python="{VLLM_PYTHON}"',
+            "server.startup_timeout_s=300",
+            "server.stop_grace_s=30",
+            "evaluate.num_prompts=4",
+            "evaluate.max_tokens=32",
+            f"evaluate.num_speculative_tokens={SPEC_TOKENS}",
+            "train.eval_fraction=0.5",
+            *sets,
+        ],
+    )
 
 
 def _write_prompts(run_dir: Path) -> None:
@@ -65,7 +80,9 @@ def _check_cell(cell: dict, requests: int) -> None:
         return
     counters = cell["counters"]
     assert counters is not None, cell  # the server exposes spec-decode counters
-    if cell["method"] != "ngram":  # a drafter proposes every step; n-gram only when it finds a match (checked over all cells)
+    if (
+        cell["method"] != "ngram"
+    ):  # a drafter proposes every step; n-gram only when it finds a match (checked over all cells)
         assert counters["drafts"] > 0, cell  # speculative decoding engaged: the counters moved
     if not counters["drafts"]:
         return
@@ -89,25 +106,60 @@ def test_eagle_layout_through_export_and_evaluate_next_to_ngram_and_no_speculati
     run = tmp_path / "run"
     _write_prompts(run)
     target = ensure_tiny("qwen3")
-    write_untrained_checkpoint(target, run / "checkpoints" / "step-000005", draft_ids=range(0, 4096, 2), aux_layer_ids=[1, 2, 3])
+    write_untrained_checkpoint(
+        target, run / "checkpoints" / "step-000005", draft_ids=range(0, 4096, 2), aux_layer_ids=[1, 2, 3]
+    )
     (run / "train").mkdir()
     (run / "train" / "eval.jsonl").write_text(json.dumps({"step": 5, "acceptance_length": 1.25}) + "\n")
     external = tmp_path / "external.jsonl"
-    external.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Tell me about the number {n}."}]}) + "\n"
-                                for n in range(6)))
-    config = _config(run, 'export.formats=["vllm"]', "evaluate.temperatures=[0.0, 0.6]", 'evaluate.methods=["none", "ngram", "trained"]',
-                     'evaluate.prompt_sets=["heldout", "external"]', f'evaluate.external_prompts="{external}"',
-                     "evaluate.concurrencies=[1]", "evaluate.rounds=1", 'evaluate.servers="restart"',
-                     "evaluate.ngram_prompt_lookup_min=1")  # the tiny model's word salad rarely repeats 2-grams
+    external.write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": f"Tell me about the number {n}."}]}) + "\n"
+            for n in range(6)
+        )
+    )
+    config = _config(
+        run,
+        'export.formats=["vllm"]',
+        "evaluate.temperatures=[0.0, 0.6]",
+        'evaluate.methods=["none", "ngram", "trained"]',
+        'evaluate.prompt_sets=["heldout", "external"]',
+        f'evaluate.external_prompts="{external}"',
+        "evaluate.concurrencies=[1]",
+        "evaluate.rounds=1",
+        'evaluate.servers="restart"',
+        "evaluate.ngram_prompt_lookup_min=1",
+    )  # the tiny model's word salad rarely repeats 2-grams
 
     assert set(run_export(config)["paths"]) == {"vllm"}
     entry = run_evaluate(config, logger=log)
 
     doc = json.loads((run / "evaluate" / "live.json").read_text())
     cells = {(c["method"], c["prompt_set"], c["temperature"]): c for c in doc["cells"]}
-    print("\nlive comparison (draft vocab 2048):", json.dumps([{k: c[k] for k in ("method", "prompt_set", "temperature",
-          "decode_tokens_per_s", "mean_acceptance_length", "counters", "speedup_vs_none")} for c in doc["cells"]], indent=1))
-    assert set(cells) == {(m, s, t) for m in ("none", "ngram", "trained") for s in ("heldout", "external") for t in (0.0, 0.6)}
+    print(
+        "\nlive comparison (draft vocab 2048):",
+        json.dumps(
+            [
+                {
+                    k: c[k]
+                    for k in (
+                        "method",
+                        "prompt_set",
+                        "temperature",
+                        "decode_tokens_per_s",
+                        "mean_acceptance_length",
+                        "counters",
+                        "speedup_vs_none",
+                    )
+                }
+                for c in doc["cells"]
+            ],
+            indent=1,
+        ),
+    )
+    assert set(cells) == {
+        (m, s, t) for m in ("none", "ngram", "trained") for s in ("heldout", "external") for t in (0.0, 0.6)
+    }
     for cell in cells.values():
         _check_cell(cell, 4)
         assert cell["concurrency"] == 1 and len(cell["rounds"]) == 1 and cell["speedup_vs_none"] > 0
@@ -116,11 +168,17 @@ def test_eagle_layout_through_export_and_evaluate_next_to_ngram_and_no_speculati
         if temperature == 0.0:
             assert cell["greedy_identical"] == cell["greedy_compared"] == 4, (method, prompt_set, cell)
     assert [s["method"] for s in doc["server_starts"]] == ["none", "ngram", "trained"]
-    assert doc["prompt_sets"]["external"]["selection"]["used"] == 4 and len(doc["prompt_sets"]["heldout"]["prompt_ids"]) == 4
+    assert (
+        doc["prompt_sets"]["external"]["selection"]["used"] == 4
+        and len(doc["prompt_sets"]["heldout"]["prompt_ids"]) == 4
+    )
     assert not set(doc["prompt_sets"]["external"]["prompt_ids"]) & set(doc["prompt_sets"]["heldout"]["prompt_ids"])
     assert doc["offline_estimate"]["acceptance_length"] == 1.25
     assert doc["export_info"]["draft_vocab_size"] == 2048
-    assert doc["headline"]["prompt_set"] == "heldout" and doc["headline"]["speedup_vs_none"] == cells[("trained", "heldout", 0.0)]["speedup_vs_none"]
+    assert (
+        doc["headline"]["prompt_set"] == "heldout"
+        and doc["headline"]["speedup_vs_none"] == cells[("trained", "heldout", 0.0)]["speedup_vs_none"]
+    )
     stage = read_manifest(run)["stages"]["evaluate"]
     assert stage["status"] == "ok" and (stage["in"], stage["ok"], stage["failed"]) == (48, 48, 0)
     assert entry["offline_acceptance_length"] == 1.25 and set(entry["mean_acceptance_length"]) == {"0", "0.6"}
@@ -135,12 +193,21 @@ def test_speculators_layout_serves_side_by_side_in_rounds(tmp_path):
 
     target = ensure_tiny("qwen3")
     ckpt = write_untrained_checkpoint(target, tmp_path / "ckpt", aux_layer_ids=[1, 2, 3])  # identity vocabulary
-    folder = export_checkpoint(ckpt, target, tmp_path / "export", ["speculators"], num_speculative_tokens=SPEC_TOKENS)["speculators"]
+    folder = export_checkpoint(ckpt, target, tmp_path / "export", ["speculators"], num_speculative_tokens=SPEC_TOKENS)[
+        "speculators"
+    ]
     assert validate_export(folder, "speculators", target) == []
     run = tmp_path / "run"
     _write_prompts(run)
-    config = _config(run, 'evaluate.methods=["trained"]', 'evaluate.prompt_sets=["heldout"]', "evaluate.temperatures=[0.0]",
-                     "evaluate.concurrencies=[1, 2]", "evaluate.rounds=2", 'evaluate.servers="side_by_side"')
+    config = _config(
+        run,
+        'evaluate.methods=["trained"]',
+        'evaluate.prompt_sets=["heldout"]',
+        "evaluate.temperatures=[0.0]",
+        "evaluate.concurrencies=[1, 2]",
+        "evaluate.rounds=2",
+        'evaluate.servers="side_by_side"',
+    )
 
     doc = measure_live(config, folder, out_dir=tmp_path / "out", logger=log)
 

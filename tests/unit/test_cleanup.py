@@ -45,7 +45,9 @@ def test_removes_files_and_trees_inside_the_root(layout):
         remove_inside(run / "gone", run, missing_ok=False)
 
 
-@pytest.mark.parametrize("trick", ["../outside/canary.txt", "../outside", "stage/../../outside", "stage/..", ".", "", "/", "stage/."])
+@pytest.mark.parametrize(
+    "trick", ["../outside/canary.txt", "../outside", "stage/../../outside", "stage/..", ".", "", "/", "stage/."]
+)
 def test_refuses_paths_that_are_not_strictly_inside(layout, trick):
     run, outside = layout
     (run / "stage").mkdir()
@@ -158,8 +160,15 @@ def _trainer_stub(run: Path, step: int):
     from eagle3.train.trainer import Trainer
 
     stub = types.SimpleNamespace(
-        run=run, ckpt_dir=run / "checkpoints", step=step, best=None, total_steps=20, layer_ids=[1, 2, 3], model_path="m",
-        tc=types.SimpleNamespace(seed=0), dist=types.SimpleNamespace(rank=0, barrier=lambda: None),
+        run=run,
+        ckpt_dir=run / "checkpoints",
+        step=step,
+        best=None,
+        total_steps=20,
+        layer_ids=[1, 2, 3],
+        model_path="m",
+        tc=types.SimpleNamespace(seed=0),
+        dist=types.SimpleNamespace(rank=0, barrier=lambda: None),
         drafter_config=types.SimpleNamespace(to_json=lambda: "{}"),
         _full_state=lambda: ({"w": torch.zeros(2)}, {"state": {}}),
     )
@@ -234,8 +243,21 @@ def test_prepare_removes_stale_shards_inside_the_run_dir(layout):
 # -- run_dir validation --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("run_dir", ["/", "~", "", "/usr", "/tmp", "/.", "//", "/usr/..", os.path.expanduser("~"),
-                                     os.path.dirname(os.path.expanduser("~"))])
+@pytest.mark.parametrize(
+    "run_dir",
+    [
+        "/",
+        "~",
+        "",
+        "/usr",
+        "/tmp",
+        "/.",
+        "//",
+        "/usr/..",
+        os.path.expanduser("~"),
+        os.path.dirname(os.path.expanduser("~")),
+    ],
+)
 def test_config_refuses_unsafe_run_dirs(run_dir):
     with pytest.raises(ConfigError, match="not a safe run directory"):
         load_config(DEMO_RECIPE, [f"run_dir={json.dumps(run_dir)}"])

@@ -13,7 +13,9 @@ EAGLE3 = [PYTHON, "-m", "eagle3.cli"]
 
 
 def run(*args, cwd=None, env=None):
-    return subprocess.run([*EAGLE3, *args], capture_output=True, text=True, cwd=cwd, env={**os.environ, **(env or {})}, timeout=300)
+    return subprocess.run(
+        [*EAGLE3, *args], capture_output=True, text=True, cwd=cwd, env={**os.environ, **(env or {})}, timeout=300
+    )
 
 
 def test_help_is_instant_and_imports_nothing_heavy():
@@ -28,12 +30,28 @@ def test_help_is_instant_and_imports_nothing_heavy():
     subprocess.run([PYTHON, "-c", code], check=True, timeout=60)
     result = run("--help")
     assert result.returncode == 0
-    for command in ("run", "prepare", "generate", "tokenize", "vocab", "extract", "train", "evaluate", "export", "status", "make-tiny", "config"):
+    for command in (
+        "run",
+        "prepare",
+        "generate",
+        "tokenize",
+        "vocab",
+        "extract",
+        "train",
+        "evaluate",
+        "export",
+        "status",
+        "make-tiny",
+        "config",
+    ):
         assert command in result.stdout
 
 
 def test_flows_and_tasks_import_without_torch():
-    code = "import sys\nimport flows.pipeline, flows.prepare, tasks.prepare\nassert 'torch' not in sys.modules, 'torch was imported'\n"
+    code = (
+        "import sys\nimport flows.pipeline, flows.prepare, tasks.prepare\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
     subprocess.run([PYTHON, "-c", code], check=True, timeout=120)
 
 
@@ -43,15 +61,25 @@ def test_library_never_imports_prefect():
         if path.name == "cli.py":  # the entry point chooses Prefect as the runner
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] in ("prefect", "flows", "tasks")]
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            offenders += [
+                f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] in ("prefect", "flows", "tasks")
+            ]
     assert offenders == []
 
 
 def test_config_show_prints_resolved_toml(tmp_path):
     cfg = tmp_path / "c.toml"
     cfg.write_text('run_dir = "runs/x"\n[generation]\nconcurrency = 8\n')
-    result = run("config", "show", "--config", str(cfg), "--set", "generation.max_tokens=99", "--set", "data.source=p.jsonl")
+    result = run(
+        "config", "show", "--config", str(cfg), "--set", "generation.max_tokens=99", "--set", "data.source=p.jsonl"
+    )
     assert result.returncode == 0, result.stderr
     shown = tomllib.loads(result.stdout)
     assert shown["run_dir"] == "runs/x"
@@ -71,7 +99,15 @@ def test_config_error_is_one_clear_message(tmp_path):
 
 
 def test_bad_source_is_one_clear_message(tmp_path):
-    result = run("prepare", "--config", str(DEMO_RECIPE), "--set", f'run_dir="{tmp_path}/r"', "--set", "data.source=./missing.jsonl")
+    result = run(
+        "prepare",
+        "--config",
+        str(DEMO_RECIPE),
+        "--set",
+        f'run_dir="{tmp_path}/r"',
+        "--set",
+        "data.source=./missing.jsonl",
+    )
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert "data.source './missing.jsonl': no such file or folder" in result.stderr
 
@@ -119,13 +155,34 @@ def test_the_run_report_reads_everything_from_the_run_dir(tmp_path):
 
     record_stage(tmp_path, "prepare", StageCounts(5, 3, 0, 2, {"empty": 2}), status="ok")
     record_stage(tmp_path, "generate", StageCounts(3, 2, 1, 0, {"timeout": 1}), status="ok")
-    record_stage(tmp_path, "tokenize", StageCounts(2, 2), status="ok", tokens=300, supervised_tokens=200, truncated_rows=1,
-                 template_check={"mismatch_rate": {"prompt_mismatch": 0.0, "full_mismatch": 0.5}})
-    record_stage(tmp_path, "evaluate", StageCounts(4, 4), status="ok", mean_acceptance_length={"0": 1.75}, acceptance_rate={"0": 0.25},
-                 untrained_mean_acceptance_length={"0": 1.0}, offline_acceptance_length=1.6)
+    record_stage(
+        tmp_path,
+        "tokenize",
+        StageCounts(2, 2),
+        status="ok",
+        tokens=300,
+        supervised_tokens=200,
+        truncated_rows=1,
+        template_check={"mismatch_rate": {"prompt_mismatch": 0.0, "full_mismatch": 0.5}},
+    )
+    record_stage(
+        tmp_path,
+        "evaluate",
+        StageCounts(4, 4),
+        status="ok",
+        mean_acceptance_length={"0": 1.75},
+        acceptance_rate={"0": 0.25},
+        untrained_mean_acceptance_length={"0": 1.0},
+        offline_acceptance_length=1.6,
+    )
     (tmp_path / "generations").mkdir()
     text = write_report(tmp_path).read_text()
-    assert "| prepare | ok | 5 | 3 | 0 | 2 | empty=2 |" in text and "| generate | ok | 3 | 2 | 1 | 0 | timeout=1 |" in text
+    assert (
+        "| prepare | ok | 5 | 3 | 0 | 2 | empty=2 |" in text and "| generate | ok | 3 | 2 | 1 | 0 | timeout=1 |" in text
+    )
     assert "300 tokens in 2 samples" in text and "200 supervised (66.7%), 1 rows truncated" in text
-    assert "| 0 | 1.750 | 0.250 | 1.000 |" in text and "Offline estimate from training (held-out, greedy chain): 1.600" in text
+    assert (
+        "| 0 | 1.750 | 0.250 | 1.000 |" in text
+        and "Offline estimate from training (held-out, greedy chain): 1.600" in text
+    )
     assert f"`{tmp_path / 'generations/'}`" in text or f"`{tmp_path / 'generations'}`" in text

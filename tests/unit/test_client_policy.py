@@ -12,7 +12,9 @@ from eagle3.generate.client import EndpointPool, backoff_s, classify, deadline_s
 
 def status_error(code, headers=None, body=None):
     request = httpx.Request("POST", "http://x/v1/chat/completions")
-    response = httpx.Response(code, headers=headers or {}, request=request, json=body or {"error": {"message": f"msg {code}"}})
+    response = httpx.Response(
+        code, headers=headers or {}, request=request, json=body or {"error": {"message": f"msg {code}"}}
+    )
     return openai.APIStatusError(f"status {code}", response=response, body=response.json())
 
 
@@ -22,7 +24,21 @@ def test_deadline_is_derived_from_max_tokens_unless_set():
     assert deadline_s(GenerationConfig(request_timeout_s=42)) == 42
 
 
-@pytest.mark.parametrize("code, transient", [(408, True), (409, True), (425, True), (429, True), (500, True), (503, True), (400, False), (401, False), (404, False), (422, False)])
+@pytest.mark.parametrize(
+    "code, transient",
+    [
+        (408, True),
+        (409, True),
+        (425, True),
+        (429, True),
+        (500, True),
+        (503, True),
+        (400, False),
+        (401, False),
+        (404, False),
+        (422, False),
+    ],
+)
 def test_status_classification(code, transient):
     failure = classify(status_error(code))
     assert failure.kind == f"http_{code}" and failure.transient is transient
@@ -58,9 +74,17 @@ def test_backoff_is_full_jitter_capped_and_honours_retry_after():
 
 
 def test_parse_response_reads_both_reasoning_names():
-    base = {"choices": [{"message": {"content": "a", "reasoning_content": "r"}, "finish_reason": "stop", "token_ids": [1]}], "prompt_token_ids": [5]}
+    base = {
+        "choices": [{"message": {"content": "a", "reasoning_content": "r"}, "finish_reason": "stop", "token_ids": [1]}],
+        "prompt_token_ids": [5],
+    }
     parsed = parse_response(base)
-    assert (parsed["reasoning"], parsed["content"], parsed["completion_token_ids"], parsed["prompt_token_ids"]) == ("r", "a", [1], [5])
+    assert (parsed["reasoning"], parsed["content"], parsed["completion_token_ids"], parsed["prompt_token_ids"]) == (
+        "r",
+        "a",
+        [1],
+        [5],
+    )
     base["choices"][0]["message"]["reasoning"] = "new"
     assert parse_response(base)["reasoning"] == "new"
     with pytest.raises(Exception, match="bad_response"):

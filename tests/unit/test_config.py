@@ -2,9 +2,17 @@ import tomllib
 
 import pytest
 
-from eagle3.config import DEMO_RECIPE, RECIPES_DIR, ConfigError, PipelineConfig, load_config, parse_set, section_hash, to_toml
-
 from conftest import ROOT
+from eagle3.config import (
+    DEMO_RECIPE,
+    RECIPES_DIR,
+    ConfigError,
+    PipelineConfig,
+    load_config,
+    parse_set,
+    section_hash,
+    to_toml,
+)
 
 
 def write(tmp_path, text):
@@ -18,21 +26,36 @@ def test_defaults_are_real_model_defaults():
     assert config.server.model == "meta-llama/Llama-3.1-8B-Instruct" and not config.server.model.startswith("tiny:")
     assert config.server.args == [] and config.server.env == {} and config.server.python is None
     assert config.server.reasoning_parser == "auto"
-    assert (config.train.ttt_steps, config.train.learning_rate, config.train.epochs, config.train.batch_tokens) == (7, 1e-4, 2, 16384)
+    assert (config.train.ttt_steps, config.train.learning_rate, config.train.epochs, config.train.batch_tokens) == (
+        7,
+        1e-4,
+        2,
+        16384,
+    )
     assert config.server.host == "127.0.0.1"
 
 
 def test_a_tiny_target_no_longer_switches_training_values():
     """The demo's training values come from its recipe, never from the model's name."""
     config = load_config(None, ['server.model="tiny:qwen3"'])
-    assert (config.train.learning_rate, config.train.epochs, config.train.batch_tokens, config.train.ttt_steps) == (1e-4, 2, 16384, 7)
+    assert (config.train.learning_rate, config.train.epochs, config.train.batch_tokens, config.train.ttt_steps) == (
+        1e-4,
+        2,
+        16384,
+        7,
+    )
 
 
 def test_the_demo_recipe_holds_the_demo_values():
     config = load_config(DEMO_RECIPE)
     assert config.data.source == "builtin:demo_prompts" and config.server.model == "tiny:qwen3"
     assert config.server.python == ".venv-vllm/bin/python" and "--enforce-eager" in config.server.args
-    assert (config.train.learning_rate, config.train.epochs, config.train.batch_tokens, config.train.ttt_steps) == (3e-3, 10, 2048, 3)
+    assert (config.train.learning_rate, config.train.epochs, config.train.batch_tokens, config.train.ttt_steps) == (
+        3e-3,
+        10,
+        2048,
+        3,
+    )
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES_DIR.glob("*.toml")), ids=lambda p: p.name)
@@ -152,7 +175,9 @@ def test_literal_choices_are_enforced():
 
 
 def test_show_round_trips(tmp_path):
-    config = load_config(None, ["data.limit=10", "generation.concurrency=3", 'server.args=["--a"]', "hidden_states.layer_ids=[1, 2, 3]"])
+    config = load_config(
+        None, ["data.limit=10", "generation.concurrency=3", 'server.args=["--a"]', "hidden_states.layer_ids=[1, 2, 3]"]
+    )
     text = to_toml(config, docs=True)
     assert "# Read at most this many source rows" in text
     again = load_config(write(tmp_path, text))
@@ -168,7 +193,9 @@ def test_section_hash_tracks_values():
 
 def test_config_reference_doc_is_current():
     doc = (ROOT / "docs" / "config-reference.toml").read_text()
-    assert doc == to_toml(load_config(), docs=True), "regenerate: eagle3 config show --docs > docs/config-reference.toml"
+    assert doc == to_toml(load_config(), docs=True), (
+        "regenerate: eagle3 config show --docs > docs/config-reference.toml"
+    )
 
 
 def test_deployments_carry_the_demo_recipe():

@@ -42,7 +42,9 @@ def test_every_path_the_images_copy_exists():
         sources = copy_sources(dockerfile)
         assert sources, f"{dockerfile.name} copies nothing"
         for src in sources:
-            assert (ROOT / src).exists(), f"{dockerfile.name}: COPY {src} (relative to the build context, the project root) does not exist"
+            assert (ROOT / src).exists(), (
+                f"{dockerfile.name}: COPY {src} (relative to the build context, the project root) does not exist"
+            )
 
 
 def test_compose_parses_and_builds_from_files_that_exist():
@@ -63,7 +65,9 @@ def test_compose_parses_and_builds_from_files_that_exist():
 
 def test_the_commands_the_images_run_exist_in_the_project():
     requirements = (ROOT / "requirements" / "pipeline.txt").read_text()
-    assert re.search(r"^prefect==", requirements, re.M), "the worker image runs `prefect`: it must be a pinned requirement"
+    assert re.search(r"^prefect==", requirements, re.M), (
+        "the worker image runs `prefect`: it must be a pinned requirement"
+    )
     worker = dict(instructions(DOCKER / "worker.Dockerfile"))
     assert worker["CMD"].startswith('["prefect", "worker", "start", "--pool", "eagle3-process"')
     deployments = yaml.safe_load((ROOT / "deployments" / "prefect.yaml").read_text())["deployments"]
@@ -82,5 +86,9 @@ def test_deployment_entrypoints_exist():
         assert (ROOT / path).exists(), d["entrypoint"]
         module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
         assert callable(getattr(module, func)), d["entrypoint"]
-    nightly = next(d for d in yaml.safe_load((ROOT / "deployments" / "prefect.yaml").read_text())["deployments"] if d["name"] == "nightly-regeneration")
+    nightly = next(
+        d
+        for d in yaml.safe_load((ROOT / "deployments" / "prefect.yaml").read_text())["deployments"]
+        if d["name"] == "nightly-regeneration"
+    )
     assert nightly["schedules"][0]["cron"] == "0 2 * * *" and nightly["schedules"][0]["timezone"]

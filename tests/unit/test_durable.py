@@ -22,7 +22,9 @@ with atomic_path(sys.argv[1]) as tmp:
 
 def killed_writer(target: Path) -> Path:
     """Run a writer that stops inside atomic_path, SIGKILL it there, return the temporary it left."""
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_INSIDE, str(target)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_INSIDE, str(target)], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
     try:
         tmp = Path(proc.stdout.readline().strip())
     finally:
@@ -54,7 +56,8 @@ def test_only_temporaries_whose_owner_is_gone_are_removed(tmp_path):
     try:
         keep = [
             tmp_path / f".manifest.json.{live.pid}@{_HOST}.abc.tmp",  # a writer still at work
-            tmp_path / f".manifest.json.{dead_pid()}@another-host.abc.tmp",  # a shared run dir: not this host's to judge
+            tmp_path
+            / f".manifest.json.{dead_pid()}@another-host.abc.tmp",  # a shared run dir: not this host's to judge
             tmp_path / ".manifest.json.k2j4.tmp",  # no owner in the name
             tmp_path / f".other.json.{dead_pid()}@{_HOST}.abc.tmp",  # another target's
         ]

@@ -15,7 +15,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from eagle3.export.layouts import (
-    ExportError, UnsupportedLayout, export_checkpoint, read_target_config, validate_export, write_untrained_checkpoint,
+    ExportError,
+    UnsupportedLayout,
+    export_checkpoint,
+    read_target_config,
+    validate_export,
+    write_untrained_checkpoint,
 )
 from eagle3.tiny import ensure_tiny
 
@@ -78,7 +83,9 @@ def test_round_trip(tmp_path, targets, arch, identity):
             else:
                 assert got.dtype == value.dtype and torch.equal(got, value), key
         if layout == "speculators":  # the target's whole table: speculators' loader does not fill it
-            assert torch.equal(tensors["embed_tokens.weight"], _target_tensor(target, "model.embed_tokens.weight").to(torch.bfloat16))
+            assert torch.equal(
+                tensors["embed_tokens.weight"], _target_tensor(target, "model.embed_tokens.weight").to(torch.bfloat16)
+            )
         else:
             assert "embed_tokens.weight" not in tensors
         assert tensors["fc.weight"].shape == (H, 3 * H)
@@ -99,9 +106,22 @@ def test_round_trip(tmp_path, targets, arch, identity):
         assert info["layout"] == layout and info["aux_layer_ids_vllm_numbering"] == [1, 2, 3]
 
 
-LAYER_KEYS = {"model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-              "num_hidden_layers", "rms_norm_eps", "rope_theta", "rope_parameters", "max_position_embeddings", "vocab_size",
-              "tie_word_embeddings", "torch_dtype"}
+LAYER_KEYS = {
+    "model_type",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "num_hidden_layers",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_parameters",
+    "max_position_embeddings",
+    "vocab_size",
+    "tie_word_embeddings",
+    "torch_dtype",
+}
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
@@ -115,9 +135,18 @@ def test_config_keys(tmp_path, targets, arch):
     assert LAYER_KEYS <= set(eagle)
     assert eagle["architectures"] == (["Eagle3Qwen3ForCausalLM"] if arch == "qwen3" else ["LlamaForCausalLMEagle3"])
     assert eagle["model_type"] == arch
-    assert (eagle["hidden_size"], eagle["target_hidden_size"], eagle["vocab_size"], eagle["draft_vocab_size"]) == (H, H, V, len(DRAFT_IDS))
-    assert (eagle["intermediate_size"], eagle["num_attention_heads"], eagle["num_key_value_heads"], eagle["head_dim"]) == (
-        tcfg["intermediate_size"], tcfg["num_attention_heads"], tcfg["num_key_value_heads"], tcfg["head_dim"])
+    assert (eagle["hidden_size"], eagle["target_hidden_size"], eagle["vocab_size"], eagle["draft_vocab_size"]) == (
+        H,
+        H,
+        V,
+        len(DRAFT_IDS),
+    )
+    assert (
+        eagle["intermediate_size"],
+        eagle["num_attention_heads"],
+        eagle["num_key_value_heads"],
+        eagle["head_dim"],
+    ) == (tcfg["intermediate_size"], tcfg["num_attention_heads"], tcfg["num_key_value_heads"], tcfg["head_dim"])
     assert eagle["num_hidden_layers"] == 1 and eagle["tie_word_embeddings"] is False
     assert eagle["rope_theta"] == rope and eagle["rope_parameters"] == {"rope_type": "default", "rope_theta": rope}
     assert eagle["torch_dtype"] == "bfloat16"
@@ -137,7 +166,12 @@ def test_config_keys(tmp_path, targets, arch):
     # what speculators' own converter writes (top level, as its config's pydantic fields serialise)
     from importlib import metadata
 
-    assert (spec["norm_before_fc"], spec["fc_norm"], spec["norm_output"], spec["embed_requires_grad"]) == (False, False, False, False)
+    assert (spec["norm_before_fc"], spec["fc_norm"], spec["norm_output"], spec["embed_requires_grad"]) == (
+        False,
+        False,
+        False,
+        False,
+    )
     assert spec["speculators_version"] == "0.9.0" and spec["transformers_version"] == metadata.version("transformers")
 
     if arch == "llama":
@@ -202,7 +236,9 @@ def test_validate_checks_the_speculators_embedding(tmp_path, targets):
         t["embed_tokens.weight"] = embed
 
     _rewrite(folder, swap_two_rows)
-    assert validate_export(folder, "speculators", target) == ["embed_tokens.weight: 2 rows differ from the target's embedding"]
+    assert validate_export(folder, "speculators", target) == [
+        "embed_tokens.weight: 2 rows differ from the target's embedding"
+    ]
     _rewrite(folder, lambda t: t.pop("embed_tokens.weight"))
     assert validate_export(folder, "speculators", target) == ["missing tensor embed_tokens.weight"]
 
@@ -227,7 +263,9 @@ def test_validate_catches_bad_vocab_maps_and_dtypes(tmp_path, targets):
     assert any("unexpected tensor d2t" in p for p in validate_export(folder, "vllm", targets["qwen3"]))
     _rewrite(folder, lambda t: (t.pop("d2t"), t.update({"norm.weight": t["norm.weight"].float()})))
     assert any("norm.weight" in p and "dtype" in p for p in validate_export(folder, "vllm", targets["qwen3"]))
-    _rewrite(folder, lambda t: (t.update({"norm.weight": t["norm.weight"].to(torch.bfloat16)}), t.pop("lm_head.weight")))
+    _rewrite(
+        folder, lambda t: (t.update({"norm.weight": t["norm.weight"].to(torch.bfloat16)}), t.pop("lm_head.weight"))
+    )
     assert "missing tensor lm_head.weight" in validate_export(folder, "vllm", targets["qwen3"])
 
 
@@ -238,11 +276,21 @@ def test_validate_catches_config_problems(tmp_path, targets):
 
     _edit_config(vllm, lambda c: c["eagle_config"].update({"eagle_aux_hidden_state_layer_ids": [1, 2, 2]}))
     assert any("differs from the top-level" in p for p in validate_export(vllm, "vllm", target))
-    _edit_config(vllm, lambda c: (c.update({"eagle_aux_hidden_state_layer_ids": [1, 2, 5]}),
-                                  c["eagle_config"].update({"eagle_aux_hidden_state_layer_ids": [1, 2, 5]})))
+    _edit_config(
+        vllm,
+        lambda c: (
+            c.update({"eagle_aux_hidden_state_layer_ids": [1, 2, 5]}),
+            c["eagle_config"].update({"eagle_aux_hidden_state_layer_ids": [1, 2, 5]}),
+        ),
+    )
     assert any("outside 1..4" in p for p in validate_export(vllm, "vllm", target))
-    _edit_config(vllm, lambda c: (c.update({"eagle_aux_hidden_state_layer_ids": [1, 1, 3]}),
-                                  c["eagle_config"].update({"eagle_aux_hidden_state_layer_ids": [1, 1, 3]})))
+    _edit_config(
+        vllm,
+        lambda c: (
+            c.update({"eagle_aux_hidden_state_layer_ids": [1, 1, 3]}),
+            c["eagle_config"].update({"eagle_aux_hidden_state_layer_ids": [1, 1, 3]}),
+        ),
+    )
     assert any("distinct" in p for p in validate_export(vllm, "vllm", target))
     _edit_config(vllm, lambda c: c.pop("norm_before_residual"))
     assert "config.json lacks norm_before_residual" in validate_export(vllm, "vllm", target)
@@ -286,14 +334,21 @@ def test_run_export_picks_best_and_skips_sglang_for_qwen3(tmp_path, targets):
     stage = read_manifest(tmp_path / "run")["stages"]["export"]
     assert (stage["in"], stage["ok"], stage["filtered"], stage["failed"]) == (3, 2, 1, 0)
 
-    (ckpts / "best.json").write_text(json.dumps({"step": 10, "path": str(ckpts / "step-000010"), "acceptance_length": 1.5}))
+    (ckpts / "best.json").write_text(
+        json.dumps({"step": 10, "path": str(ckpts / "step-000010"), "acceptance_length": 1.5})
+    )
     entry = run_export(config)
     assert entry["step"] == 10 and entry["chosen_by"] == "best.json" and entry["reused"] == []
     exported = _tensors(Path(entry["paths"]["vllm"]))
-    assert torch.equal(exported["fc.weight"], load_file(str(ckpts / "step-000010" / "model.safetensors"))["fc.weight"].to(torch.bfloat16))
+    assert torch.equal(
+        exported["fc.weight"],
+        load_file(str(ckpts / "step-000010" / "model.safetensors"))["fc.weight"].to(torch.bfloat16),
+    )
     assert run_export(config)["reused"] == ["vllm", "speculators"]  # same bytes: kept
 
-    (ckpts / "best.json").write_text(json.dumps({"step": 40, "path": str(ckpts / "step-000040"), "acceptance_length": 2.0}))
+    (ckpts / "best.json").write_text(
+        json.dumps({"step": 40, "path": str(ckpts / "step-000040"), "acceptance_length": 2.0})
+    )
     with pytest.raises(MissingCheckpoint, match="step-000040"):
         run_export(config)
 
@@ -326,7 +381,13 @@ def test_parse_spec_metrics_and_delta():
     from eagle3.evaluate.live import metrics_delta, parse_spec_metrics
 
     after = parse_spec_metrics(METRICS)
-    assert after == {"drafts": 10.0, "draft_tokens": 30.0, "accepted_tokens": 12.0, "accepted_per_pos": [7.0, 4.0, 1.0], "found": True}
+    assert after == {
+        "drafts": 10.0,
+        "draft_tokens": 30.0,
+        "accepted_tokens": 12.0,
+        "accepted_per_pos": [7.0, 4.0, 1.0],
+        "found": True,
+    }
     before = parse_spec_metrics("")
     assert before["found"] is False and before["accepted_per_pos"] == []
     d = metrics_delta(before, after)
@@ -347,14 +408,20 @@ def test_select_prompts_heldout_then_top_up(tmp_path):
     ids = [f"p{i}" for i in range(40)]
     for shard in range(2):
         part = ids[shard::2]
-        pq.write_table(pa.table({"id": part, "messages": [[{"role": "user", "content": f"hi {i}"}] for i in part]}),
-                       folder / f"shard-{shard:05d}.parquet")
+        pq.write_table(
+            pa.table({"id": part, "messages": [[{"role": "user", "content": f"hi {i}"}] for i in part]}),
+            folder / f"shard-{shard:05d}.parquet",
+        )
     heldout = [i for i in ids if is_heldout(i, 0.25)]
     assert 0 < len(heldout) < 30
     few, info = select_prompts(tmp_path, 0.25, 3)
     assert len(few) == 3 and all(is_heldout(p["id"], 0.25) for p in few) and "note" not in info
     many, info = select_prompts(tmp_path, 0.25, 30)
-    assert len(many) == 30 and info["heldout_used"] == len(heldout) and info["topped_up_from_training"] == 30 - len(heldout)
+    assert (
+        len(many) == 30
+        and info["heldout_used"] == len(heldout)
+        and info["topped_up_from_training"] == 30 - len(heldout)
+    )
     assert "note" in info and [p["id"] for p in many] == [p["id"] for p in select_prompts(tmp_path, 0.25, 30)[0]]
     assert many[0]["messages"] == [{"role": "user", "content": f"hi {many[0]['id']}"}]
 
@@ -365,7 +432,9 @@ def test_run_export_records_an_invalid_export(tmp_path, targets, monkeypatch):
 
     config = _run_config(tmp_path, "tiny:qwen3", 'export.formats=["vllm"]')
     write_untrained_checkpoint(targets["qwen3"], tmp_path / "run" / "checkpoints" / "step-000001")
-    monkeypatch.setattr(stage, "validate_export", lambda folder, layout, target: ["fc.weight: shape (1,), expected (128, 384)"])
+    monkeypatch.setattr(
+        stage, "validate_export", lambda folder, layout, target: ["fc.weight: shape (1,), expected (128, 384)"]
+    )
     with pytest.raises(stage.InvalidExport, match="fc.weight"):
         stage.run_export(config)
     entry = read_manifest(tmp_path / "run")["stages"]["export"]

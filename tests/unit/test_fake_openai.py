@@ -24,9 +24,22 @@ from fake_openai import (
 )
 
 # Keys of vLLM 0.32's ChatCompletionResponse.model_dump() (chat_completion/protocol.py).
-VLLM_RESPONSE_KEYS = {"id", "object", "created", "model", "choices", "service_tier", "system_fingerprint", "usage",
-                      "prompt_logprobs", "prompt_token_ids", "prompt_text", "kv_transfer_params", "ec_transfer_params",
-                      "metrics"}
+VLLM_RESPONSE_KEYS = {
+    "id",
+    "object",
+    "created",
+    "model",
+    "choices",
+    "service_tier",
+    "system_fingerprint",
+    "usage",
+    "prompt_logprobs",
+    "prompt_token_ids",
+    "prompt_text",
+    "kv_transfer_params",
+    "ec_transfer_params",
+    "metrics",
+}
 VLLM_CHOICE_KEYS = {"index", "message", "logprobs", "finish_reason", "stop_reason", "token_ids", "routed_experts"}
 VLLM_MESSAGE_KEYS = {"role", "content", "refusal", "annotations", "audio", "function_call", "reasoning"}
 
@@ -40,8 +53,13 @@ def client(server, timeout: float = 5.0, api_key: str = "unused") -> openai.Asyn
 
 
 async def chat(c: openai.AsyncOpenAI, text: str, max_tokens: int = 64, **kwargs):
-    return await c.chat.completions.create(model="fake-target", messages=messages(text), max_tokens=max_tokens,
-                                           extra_body={"return_token_ids": True}, **kwargs)
+    return await c.chat.completions.create(
+        model="fake-target",
+        messages=messages(text),
+        max_tokens=max_tokens,
+        extra_body={"return_token_ids": True},
+        **kwargs,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +76,12 @@ def post(http: httpx.Client, server, body: dict, headers: dict | None = None) ->
 def test_completion_has_vllm_fields_and_is_deterministic(http):
     cfg = FakeConfig(median_tokens=50)  # with max_tokens 4096: never capped
     with run_fake_server(cfg) as server:
-        body = {"model": "fake-target", "messages": messages("Tell me about owls."), "max_tokens": 4096,
-                "return_token_ids": True}
+        body = {
+            "model": "fake-target",
+            "messages": messages("Tell me about owls."),
+            "max_tokens": 4096,
+            "return_token_ids": True,
+        }
         first, second = post(http, server, body), post(http, server, body)
     assert first.status_code == 200 and first.headers["content-type"] == "application/json"
     data = first.json()
@@ -77,7 +99,7 @@ def test_completion_has_vllm_fields_and_is_deterministic(http):
     assert choice["message"]["reasoning"] == decode(ids[:think_end])
     assert data["usage"]["completion_tokens_details"] == {"reasoning_tokens": think_end}
     assert choice["finish_reason"] == "stop" and choice["stop_reason"] is None and ids[-1] == EOS
-    assert choice["message"]["content"] == decode(ids[think_end + 1:-1])
+    assert choice["message"]["content"] == decode(ids[think_end + 1 : -1])
     again = second.json()
     assert again["id"] != data["id"]
     assert again["choices"] == data["choices"] and again["prompt_token_ids"] == prompt_ids
@@ -271,8 +293,9 @@ def test_slots_bound_concurrency_and_busy_time_gives_the_ideal():
 
     async def scenario(server):
         c = client(server)
-        await asyncio.gather(*(c.chat.completions.create(model="fake-target", messages=m, max_tokens=128)
-                               for m in prompts))
+        await asyncio.gather(
+            *(c.chat.completions.create(model="fake-target", messages=m, max_tokens=128) for m in prompts)
+        )
 
     with run_fake_server(cfg) as server:
         started = time.monotonic()

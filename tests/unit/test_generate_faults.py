@@ -10,21 +10,27 @@ import sys
 import time
 from pathlib import Path
 
-from fake_openai import FakeConfig, FaultRule, run_fake_server
-
 from eagle3.config import DEMO_RECIPE, load_config
 from eagle3.generate.client import EndpointPool
 from eagle3.generate.records import read_records
 from eagle3.generate.shard import generate_shard, paths
 from eagle3.prepare.stage import run_prepare
+from fake_openai import FakeConfig, FaultRule, run_fake_server
 
-FAST = ["generation.backoff_base_s=0.05", "generation.backoff_max_s=0.2", "generation.max_attempts=4", "generation.concurrency=8"]
+FAST = [
+    "generation.backoff_base_s=0.05",
+    "generation.backoff_max_s=0.2",
+    "generation.max_attempts=4",
+    "generation.concurrency=8",
+]
 
 
 def make_run(tmp_path, prompts, *sets):
     src = tmp_path / "prompts.jsonl"
     src.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": p}]}) + "\n" for p in prompts))
-    config = load_config(DEMO_RECIPE, [f'run_dir="{tmp_path / "run"}"', f'data.source="{src}"', "data.num_shards=1", *FAST, *sets])
+    config = load_config(
+        DEMO_RECIPE, [f'run_dir="{tmp_path / "run"}"', f'data.source="{src}"', "data.num_shards=1", *FAST, *sets]
+    )
     shard = Path(run_prepare(config).out_dir) / "shard-00000.parquet"
     return config, shard
 
@@ -33,7 +39,9 @@ def generate(config, shard, base_urls, api_key=None):
     async def go():
         pool = EndpointPool(base_urls, api_key, config.generation.concurrency, 30)
         try:
-            return await generate_shard(shard, Path(config.run_dir) / "generations", config.generation, "fake-target", pool)
+            return await generate_shard(
+                shard, Path(config.run_dir) / "generations", config.generation, "fake-target", pool
+            )
         finally:
             await pool.close()
 
@@ -73,7 +81,9 @@ def test_hung_request_hits_its_deadline_and_is_retried(tmp_path):
 
 def test_429_with_retry_after_is_honoured(tmp_path):
     config, shard = make_run(tmp_path, ["rate limited prompt"])
-    with run_fake_server(FakeConfig(rules=[FaultRule(match="rate limited", kind="status", status=429, retry_after=1.5, times=1)])) as fake:
+    with run_fake_server(
+        FakeConfig(rules=[FaultRule(match="rate limited", kind="status", status=429, retry_after=1.5, times=1)])
+    ) as fake:
         result = accounting(generate(config, shard, [fake.base_url]))
     record = by_prompt(config)["rate limited prompt"]
     assert result.ok == 1 and record["attempts"] == 2
@@ -110,7 +120,9 @@ def test_connection_reset_is_retried(tmp_path):
 
 def test_exhausted_transient_failures_leave_the_shard_incomplete_then_resume(tmp_path):
     config, shard = make_run(tmp_path, ["always down", "fine"])
-    with run_fake_server(FakeConfig(rules=[FaultRule(match="always down", kind="status", status=500, times=5)])) as fake:
+    with run_fake_server(
+        FakeConfig(rules=[FaultRule(match="always down", kind="status", status=500, times=5)])
+    ) as fake:
         first = accounting(generate(config, shard, [fake.base_url]))
         assert (first.ok, first.failed, first.retryable) == (1, 1, 1) and not first.complete
         second = accounting(generate(config, shard, [fake.base_url]))  # attempts 5.. succeed now
@@ -120,15 +132,23 @@ def test_exhausted_transient_failures_leave_the_shard_incomplete_then_resume(tmp
 
 
 def test_record_fields_and_truncation_filter(tmp_path):
-    config, shard = make_run(tmp_path, [f"question {i}" for i in range(40)], "generation.max_tokens=16", "generation.keep_truncated=false")
+    config, shard = make_run(
+        tmp_path, [f"question {i}" for i in range(40)], "generation.max_tokens=16", "generation.keep_truncated=false"
+    )
     with run_fake_server(FakeConfig()) as fake:
         result = accounting(generate(config, shard, [fake.base_url]))
     assert result.filtered > 0 and result.ok > 0 and result.ok + result.filtered == 40
     for r in records(config):
         assert r["finish_reason"] == "stop" and r["prompt_token_ids"] and r["completion_token_ids"]
-        assert r["reasoning"] is not None and r["content"] is not None and r["usage"]["completion_tokens"] == len(r["completion_token_ids"])
+        assert (
+            r["reasoning"] is not None
+            and r["content"] is not None
+            and r["usage"]["completion_tokens"] == len(r["completion_token_ids"])
+        )
         assert r["sampling"] == {"max_tokens": 16, "temperature": 0.6, "top_p": 0.95} and r["model"]
-    assert all(r["finish_reason"] == "length" and r["reason"].startswith("truncated") for r in records(config, "filtered"))
+    assert all(
+        r["finish_reason"] == "length" and r["reason"].startswith("truncated") for r in records(config, "filtered")
+    )
 
 
 def test_rerun_is_a_no_op_and_new_max_tokens_regenerates(tmp_path):
@@ -183,7 +203,13 @@ def test_sigkill_mid_shard_then_rerun_gives_exactly_one_record_per_prompt(tmp_pa
     config, shard = make_run(tmp_path, prompts, *sets)
     ok_file = paths(Path(config.run_dir) / "generations", shard.name)["ok"]
     with run_fake_server(FakeConfig(slots=8, tokens_per_s=2000, ttft_s=0.02)) as fake:
-        args = [f'run_dir="{config.run_dir}"', f'data.source="{tmp_path / "prompts.jsonl"}"', "data.num_shards=1", *FAST, *sets]
+        args = [
+            f'run_dir="{config.run_dir}"',
+            f'data.source="{tmp_path / "prompts.jsonl"}"',
+            "data.num_shards=1",
+            *FAST,
+            *sets,
+        ]
         proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(shard), fake.base_url, *args])
         deadline = time.monotonic() + 60
         while (not ok_file.exists() or ok_file.read_bytes().count(b"\n") < 30) and time.monotonic() < deadline:
@@ -209,10 +235,13 @@ def test_requests_spread_over_replicas(tmp_path):
 
 def generate_keeping_pool(config, shard, base_urls, outage_wait_s):
     """generate() that hands back the pool too, for its bench counts."""
+
     async def go():
         pool = EndpointPool(base_urls, None, config.generation.concurrency, 30, outage_wait_s=outage_wait_s)
         try:
-            result = await generate_shard(shard, Path(config.run_dir) / "generations", config.generation, "fake-target", pool)
+            result = await generate_shard(
+                shard, Path(config.run_dir) / "generations", config.generation, "fake-target", pool
+            )
         finally:
             await pool.close()
         return result, pool

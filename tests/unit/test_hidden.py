@@ -5,7 +5,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from hidden_runs import LENGTHS, make_run, samples
 
 from eagle3.config import DEMO_RECIPE, load_config
 from eagle3.hidden.errors import (
@@ -22,6 +21,7 @@ from eagle3.hidden.extract import (
 )
 from eagle3.hidden.store import ShardStates, StatesWriter
 from eagle3.tiny import ensure_tiny
+from hidden_runs import LENGTHS, make_run, samples
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def test_states_equal_a_direct_forward_per_layer_and_padding_never_leaks(extract
         assert aux.shape == (len(ids), 3 * H) and last.shape == (len(ids), H)
         per_layer, pre_norm, post_norm = direct(extractor.model, ids, extractor.layer_ids)
         for j, i in enumerate(extractor.layer_ids):
-            torch.testing.assert_close(aux[:, j * H:(j + 1) * H], per_layer[i], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(aux[:, j * H : (j + 1) * H], per_layer[i], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(last, pre_norm, rtol=1e-4, atol=1e-4)
         assert not torch.allclose(last, post_norm, atol=1e-2), "the last state must be taken before the final norm"
 
@@ -133,13 +133,19 @@ def test_stage_stores_what_a_direct_forward_gives_and_resumes(tmp_path, extracto
     assert [r.ok for r in results] == [5, 2] and not any(r.skipped for r in results)
     out = Path(config.run_dir) / "hidden_states"
     index = json.loads((out / "shard-00000.index.json").read_text())
-    assert index["ids"] == [f"s0-{k}" for k in range(5)] and index["num_tokens"] == list(LENGTHS) and index["layer_ids"] == [1, 2, 3]
+    assert (
+        index["ids"] == [f"s0-{k}" for k in range(5)]
+        and index["num_tokens"] == list(LENGTHS)
+        and index["layer_ids"] == [1, 2, 3]
+    )
     states, H = ShardStates(out / "shard-00000.safetensors"), extractor.hidden_size
     for k, ids in enumerate(samples(LENGTHS, seed=0)):
         aux, last = states.sample(k)
         per_layer, pre_norm, _ = direct(extractor.model, ids, [1, 2, 3])
         for j in range(3):
-            torch.testing.assert_close(aux[:, j * H:(j + 1) * H].float(), per_layer[j + 1], rtol=1e-2, atol=1e-2)  # bf16 storage
+            torch.testing.assert_close(
+                aux[:, j * H : (j + 1) * H].float(), per_layer[j + 1], rtol=1e-2, atol=1e-2
+            )  # bf16 storage
         torch.testing.assert_close(last.float(), pre_norm, rtol=1e-2, atol=1e-2)
 
     before = (out / "shard-00000.safetensors").stat().st_mtime_ns
@@ -151,7 +157,9 @@ def test_stage_stores_what_a_direct_forward_gives_and_resumes(tmp_path, extracto
     _, third = run_stage(config, names)
     assert [r.skipped for r in third] == [True, False], "a shard whose states are gone is extracted again"
 
-    changed = config.model_copy(update={"hidden_states": config.hidden_states.model_copy(update={"layer_ids": [1, 3, 4]})})
+    changed = config.model_copy(
+        update={"hidden_states": config.hidden_states.model_copy(update={"layer_ids": [1, 3, 4]})}
+    )
     _, fourth = run_stage(changed, names)
     assert not any(r.skipped for r in fourth), "new layer ids: every shard again"
 
@@ -225,7 +233,13 @@ def test_online_mode_stores_nothing_and_records_the_settings_training_uses(tmp_p
     entry = record(config, online_results(config, names, the_plan), the_plan)
     out = Path(config.run_dir) / "hidden_states"
     assert json.loads((out / "online.json").read_text()) == settings and settings["layer_ids"] == [1, 2, 3]
-    assert (entry["mode"], entry["in"], entry["ok"], entry["tokens"], entry["bytes"]) == ("online", 7, 7, sum(LENGTHS) + 42, 0)
+    assert (entry["mode"], entry["in"], entry["ok"], entry["tokens"], entry["bytes"]) == (
+        "online",
+        7,
+        7,
+        sum(LENGTHS) + 42,
+        0,
+    )
     assert not list(out.glob("*.safetensors"))
 
 
@@ -270,5 +284,8 @@ def test_a_truncated_tokenized_shard_is_named_before_any_work(tmp_path):
     config, names = make_run(tmp_path)
     path = Path(config.run_dir) / "tokenized" / "shard-00001.parquet"
     path.write_bytes(path.read_bytes()[:100])
-    with pytest.raises(ExtractInputError, match=r"shard-00001.parquet is missing or differs from what the tokenize stage wrote.*eagle3 tokenize"):
+    with pytest.raises(
+        ExtractInputError,
+        match=r"shard-00001.parquet is missing or differs from what the tokenize stage wrote.*eagle3 tokenize",
+    ):
         run_stage(config, names)

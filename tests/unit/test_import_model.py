@@ -10,10 +10,9 @@ import torch
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "tests"))
-from gguf_fixture import write_gguf  # noqa: E402
-
 from eagle3.importer import MARKER, ImportModelError, find_gguf, greedy_tokens, import_model  # noqa: E402
 from eagle3.tiny import ensure_tiny  # noqa: E402
+from gguf_fixture import write_gguf  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -32,18 +31,25 @@ def test_import_writes_a_plain_hf_folder_with_the_same_weights(imported):
     config = json.loads((imported / "config.json").read_text())
     assert "quantization_config" not in config and config["architectures"] == ["LlamaForCausalLM"]
     assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (4, 128, 4096)
-    ours, theirs = load_file(str(imported / "model.safetensors")), load_file(str(ensure_tiny("llama") / "model.safetensors"))
+    ours, theirs = (
+        load_file(str(imported / "model.safetensors")),
+        load_file(str(ensure_tiny("llama") / "model.safetensors")),
+    )
     assert set(ours) == set(theirs)
     for name, tensor in theirs.items():
         assert ours[name].dtype == torch.bfloat16 and torch.equal(ours[name], tensor), name
-    assert (imported / "tokenizer.json").exists() and "<|start_header_id|>" in (imported / "chat_template.jinja").read_text()
+    assert (imported / "tokenizer.json").exists() and "<|start_header_id|>" in (
+        imported / "chat_template.jinja"
+    ).read_text()
 
 
 def test_the_imported_folder_answers_as_the_gguf_model_does(tiny_gguf, imported):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name)
-    gguf_model = AutoModelForCausalLM.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name, dtype=torch.bfloat16)
+    gguf_model = AutoModelForCausalLM.from_pretrained(
+        str(tiny_gguf.parent), gguf_file=tiny_gguf.name, dtype=torch.bfloat16
+    )
     folder_model = AutoModelForCausalLM.from_pretrained(str(imported), dtype=torch.bfloat16)
     expected = greedy_tokens(gguf_model, tokenizer)
     assert len(expected) > 0 and greedy_tokens(folder_model, AutoTokenizer.from_pretrained(str(imported))) == expected
@@ -108,6 +114,10 @@ def test_a_package_that_ships_one_gguf_is_found(tiny_gguf, tmp_path, monkeypatch
 def test_the_cli_prints_one_line_for_a_bad_source(tmp_path):
     import subprocess
 
-    result = subprocess.run([sys.executable, "-m", "eagle3.cli", "import-model", str(tmp_path / "x.gguf"), str(tmp_path / "o")],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "eagle3.cli", "import-model", str(tmp_path / "x.gguf"), str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 1 and "Traceback" not in result.stderr and "x.gguf does not exist" in result.stderr

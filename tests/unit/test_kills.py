@@ -20,7 +20,10 @@ from eagle3.config import DEMO_RECIPE, load_config
 from eagle3.tokenize.stage import load_tokenizer, tokenize_shard, tokenizer_path
 from eagle3.vocab_stage import run_vocab
 from eagle3.hidden.stage import extract_shard, plan
-config = load_config(DEMO_RECIPE, [f'run_dir="{sys.argv[1]}"', 'data.num_shards=2', 'hidden_states.dtype="float32"', 'vocab.draft_vocab_size=1000'])
+config = load_config(
+    DEMO_RECIPE,
+    [f'run_dir="{sys.argv[1]}"', 'data.num_shards=2', 'hidden_states.dtype="float32"', 'vocab.draft_vocab_size=1000'],
+)
 names = ["shard-00000.parquet", "shard-00001.parquet"]
 path = tokenizer_path(config)
 tok = load_tokenizer(path)
@@ -43,7 +46,12 @@ def make_inputs(run: Path, n: int = 400) -> None:
     from eagle3.tokenize.stage import load_tokenizer, tokenizer_path
 
     src = run.parent / f"{run.name}-prompts.jsonl"
-    src.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"question {i}: " + "word " * (i % 50)}]}) + "\n" for i in range(n)))
+    src.write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": f"question {i}: " + "word " * (i % 50)}]}) + "\n"
+            for i in range(n)
+        )
+    )
     config = load_config(DEMO_RECIPE, [f'run_dir="{run}"', f'data.source="{src}"', "data.num_shards=2"])
     run_prepare(config)
     tok = load_tokenizer(tokenizer_path(config))
@@ -55,26 +63,51 @@ def make_inputs(run: Path, n: int = 400) -> None:
         gen.mkdir(exist_ok=True)
         with JsonlAppender(gen / f"shard-{s:05d}.jsonl") as out:
             for k, row in enumerate(rows):
-                answer = tok.encode(f"thinking {k}\n</think>\n\nanswer " + "x " * (k % 40), add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
-                out.append({"id": row["id"], "prompt_token_ids": render_ids(tok, row["messages"], add_generation_prompt=True),
-                            "completion_token_ids": answer, "reasoning": f"thinking {k}", "content": "answer", "finish_reason": "stop"})
+                answer = tok.encode(
+                    f"thinking {k}\n</think>\n\nanswer " + "x " * (k % 40), add_special_tokens=False
+                ) + [tok.convert_tokens_to_ids("<|im_end|>")]
+                out.append(
+                    {
+                        "id": row["id"],
+                        "prompt_token_ids": render_ids(tok, row["messages"], add_generation_prompt=True),
+                        "completion_token_ids": answer,
+                        "reasoning": f"thinking {k}",
+                        "content": "answer",
+                        "finish_reason": "stop",
+                    }
+                )
         (gen / f"shard-{s:05d}.done.json").write_text("{}")
 
 
 def outputs(run: Path) -> dict[str, str]:
     """Hashes of every data file; the completion markers must exist (they hold paths and timings, so they differ)."""
-    files = [*sorted((run / "tokenized").glob("shard-*")), run / "vocab" / "draft_vocab.safetensors",
-             *sorted((run / "hidden_states").glob("shard-*"))]
+    files = [
+        *sorted((run / "tokenized").glob("shard-*")),
+        run / "vocab" / "draft_vocab.safetensors",
+        *sorted((run / "hidden_states").glob("shard-*")),
+    ]
     assert len([f for f in files if f.name.endswith(".done.json")]) == 4
-    return {str(f.relative_to(run)): hashlib.sha256(f.read_bytes()).hexdigest() for f in files if not f.name.endswith(".done.json")}
+    return {
+        str(f.relative_to(run)): hashlib.sha256(f.read_bytes()).hexdigest()
+        for f in files
+        if not f.name.endswith(".done.json")
+    }
 
 
 def stage(run: Path, background: bool = False):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if background:
-        return subprocess.Popen([sys.executable, "-c", STAGE, str(run)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)
-    out = subprocess.run([sys.executable, "-c", STAGE, str(run)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        return subprocess.Popen(
+            [sys.executable, "-c", STAGE, str(run)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    out = subprocess.run(
+        [sys.executable, "-c", STAGE, str(run)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0 and "done" in out.stdout, out.stderr[-3000:]
 
 

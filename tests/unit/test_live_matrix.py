@@ -17,10 +17,19 @@ def _ok(tokens: int, first: int, decode_s: float, ttft: float = 0.5) -> Streamed
 
 
 def test_decode_rate_is_tokens_after_the_first_chunk_over_first_to_last_chunk_time():
-    outcomes = [_ok(11, 1, 2.0), _ok(21, 1, 2.0), Streamed(error="timeout"),
-                Streamed(token_ids=[7], first_chunk_tokens=1, ttft_s=0.3, decode_s=0.0, chunks=1)]  # one chunk: no decode time
+    outcomes = [
+        _ok(11, 1, 2.0),
+        _ok(21, 1, 2.0),
+        Streamed(error="timeout"),
+        Streamed(token_ids=[7], first_chunk_tokens=1, ttft_s=0.3, decode_s=0.0, chunks=1),
+    ]  # one chunk: no decode time
     stats = measure.summarize(outcomes, wall_s=5.0)
-    assert (stats["requests"], stats["requests_ok"], stats["requests_failed"], stats["errors"]) == (4, 3, 1, {"timeout": 1})
+    assert (stats["requests"], stats["requests_ok"], stats["requests_failed"], stats["errors"]) == (
+        4,
+        3,
+        1,
+        {"timeout": 1},
+    )
     assert stats["completion_tokens"] == 33 and stats["decode_tokens"] == 30 and stats["decode_s"] == pytest.approx(4.0)
     r = measure.rates(stats)
     assert r["decode_tokens_per_s"] == pytest.approx(30 / 4.0)  # pooled, not the mean of per-request rates
@@ -44,10 +53,21 @@ def _post(content: bytes, status: int = 200) -> Streamed:
 
 def test_stream_reads_token_ids_per_chunk_and_the_usage():
     chunk = lambda ids: {"choices": [{"index": 0, "delta": {"content": "x"}, "token_ids": ids}]}  # noqa: E731
-    out = _post(_sse([{"choices": [{"index": 0, "delta": {"role": "assistant"}}]}, chunk([5, 6]), chunk([7]), chunk([8, 9, 10]),
-                      {"choices": [], "usage": {"completion_tokens": 6}}]))
+    out = _post(
+        _sse(
+            [
+                {"choices": [{"index": 0, "delta": {"role": "assistant"}}]},
+                chunk([5, 6]),
+                chunk([7]),
+                chunk([8, 9, 10]),
+                {"choices": [], "usage": {"completion_tokens": 6}},
+            ]
+        )
+    )
     assert out.error is None and out.token_ids == [5, 6, 7, 8, 9, 10] and out.first_chunk_tokens == 2
-    assert out.chunks == 3 and out.decode_tokens == 4 and out.usage_tokens == 6 and out.decode_s >= 0 and out.ttft_s >= 0
+    assert (
+        out.chunks == 3 and out.decode_tokens == 4 and out.usage_tokens == 6 and out.decode_s >= 0 and out.ttft_s >= 0
+    )
     assert _post(b"", status=503).error == "http_503"
     assert _post(_sse([{"error": {"message": "boom"}}])).error == "stream_error"
     assert _post(_sse([{"choices": [{"index": 0, "delta": {"role": "assistant"}}]}])).error == "no_tokens"
@@ -55,7 +75,9 @@ def test_stream_reads_token_ids_per_chunk_and_the_usage():
 
 
 def test_request_body_streams_token_ids_and_greedy_ignores_top_p():
-    body = measure.request_body("m", {"messages": [{"role": "user", "content": "hi"}]}, temperature=0.0, top_p=0.9, max_tokens=7)
+    body = measure.request_body(
+        "m", {"messages": [{"role": "user", "content": "hi"}]}, temperature=0.0, top_p=0.9, max_tokens=7
+    )
     assert body["stream"] and body["return_token_ids"] and body["stream_options"] == {"include_usage": True}
     assert body["top_p"] == 1.0 and body["max_tokens"] == 7
     assert measure.request_body("m", {"messages": []}, temperature=0.6, top_p=0.9, max_tokens=7)["top_p"] == 0.9
@@ -63,7 +85,10 @@ def test_request_body_streams_token_ids_and_greedy_ignores_top_p():
 
 @pytest.mark.parametrize("strategy", ["side_by_side", "restart"])
 def test_every_round_visits_every_method_for_every_cell_in_rotated_order(strategy):
-    methods, cells = ["none", "ngram", "untrained", "trained"], [("heldout", 0.0, 1), ("heldout", 0.0, 8), ("external", 0.6, 1)]
+    methods, cells = (
+        ["none", "ngram", "untrained", "trained"],
+        [("heldout", 0.0, 1), ("heldout", 0.0, 8), ("external", 0.6, 1)],
+    )
     order = matrix.visit_order(methods, cells, rounds=4, strategy=strategy)
     assert len(order) == 4 * len(methods) * len(cells) == len(set(order))
     for r in range(4):
@@ -87,56 +112,101 @@ def _raw(drafts, accepted, per, k=3):
 
 def _visit(method, rnd, counters, tokens, decode_s, ids, temperature=0.0, concurrency=1):
     stats = measure.summarize([_ok(tokens, 1, decode_s)], wall_s=decode_s + 1)
-    return {"round": rnd, "method": method, "prompt_set": "heldout", "temperature": temperature, "concurrency": concurrency,
-            "stats": stats, "counters": counters, "server_cpu_s": 1.0, "idle_servers_cpu_s": None, "token_ids": [ids]}  # one prompt
+    return {
+        "round": rnd,
+        "method": method,
+        "prompt_set": "heldout",
+        "temperature": temperature,
+        "concurrency": concurrency,
+        "stats": stats,
+        "counters": counters,
+        "server_cpu_s": 1.0,
+        "idle_servers_cpu_s": None,
+        "token_ids": [ids],
+    }  # one prompt
 
 
 def test_counter_deltas_add_up_per_cell_and_rates_come_from_the_sums():
     before = metrics.parse_spec_metrics("")
-    after = {"drafts": 10.0, "draft_tokens": 30.0, "accepted_tokens": 12.0, "accepted_per_pos": [7.0, 4.0, 1.0], "found": True}
+    after = {
+        "drafts": 10.0,
+        "draft_tokens": 30.0,
+        "accepted_tokens": 12.0,
+        "accepted_per_pos": [7.0, 4.0, 1.0],
+        "found": True,
+    }
     one = metrics.raw_delta(before, after)
     assert one == _raw(10, 12, [7, 4, 1])
     two = metrics.add_raw(one, _raw(30, 6, [6]))
     assert two == _raw(40, 18, [13, 4, 1])
-    cell = matrix.pool_cell("trained", [_visit("trained", 0, one, 11, 1.0, [1]), _visit("trained", 1, _raw(30, 6, [6]), 21, 4.0, [1])])
+    cell = matrix.pool_cell(
+        "trained", [_visit("trained", 0, one, 11, 1.0, [1]), _visit("trained", 1, _raw(30, 6, [6]), 21, 4.0, [1])]
+    )
     assert cell["mean_acceptance_length"] == pytest.approx(1 + 18 / 40)  # summed counters, not the mean of 2.2 and 1.2
     assert cell["acceptance_rate"] == pytest.approx(18 / 120)
     assert cell["per_position_acceptance"] == pytest.approx([13 / 40, 4 / 40, 1 / 40])
     assert [r["mean_acceptance_length"] for r in cell["rounds"]] == pytest.approx([2.2, 1.2])
     assert cell["decode_tokens_per_s"] == pytest.approx(30 / 5.0)
-    assert cell["decode_tokens_per_s_spread"]["min"] == pytest.approx(5.0) and cell["decode_tokens_per_s_spread"]["max"] == pytest.approx(10.0)
+    assert cell["decode_tokens_per_s_spread"]["min"] == pytest.approx(5.0) and cell["decode_tokens_per_s_spread"][
+        "max"
+    ] == pytest.approx(10.0)
 
 
 def test_no_speculation_has_acceptance_one_by_definition_and_speedups_divide_decode_rates():
-    visits = [_visit("none", 0, None, 21, 4.0, [1, 2, 3]), _visit("ngram", 0, _raw(2, 4, [2, 1, 1]), 21, 2.0, [1, 2, 3]),
-              _visit("trained", 0, _raw(8, 8, [5, 2, 1]), 21, 1.0, [1, 2, 9])]
+    visits = [
+        _visit("none", 0, None, 21, 4.0, [1, 2, 3]),
+        _visit("ngram", 0, _raw(2, 4, [2, 1, 1]), 21, 2.0, [1, 2, 3]),
+        _visit("trained", 0, _raw(8, 8, [5, 2, 1]), 21, 1.0, [1, 2, 9]),
+    ]
     cells = {c["method"]: c for c in matrix.pool_cells(visits, ["none", "ngram", "trained"])}
     assert cells["none"]["mean_acceptance_length"] == 1.0 and cells["none"]["counters"] is None
     assert "definition" in cells["none"]["acceptance_source"] and "proposed" in cells["ngram"]["acceptance_source"]
     assert cells["ngram"]["counters"] == _raw(2, 4, [2, 1, 1]) and cells["ngram"]["mean_acceptance_length"] == 3.0
-    assert cells["trained"]["speedup_vs_none"] == pytest.approx(4.0) and cells["trained"]["speedup_vs_ngram"] == pytest.approx(2.0)
+    assert cells["trained"]["speedup_vs_none"] == pytest.approx(4.0) and cells["trained"][
+        "speedup_vs_ngram"
+    ] == pytest.approx(2.0)
     assert cells["none"]["speedup_vs_none"] == pytest.approx(1.0)
-    assert (cells["ngram"]["greedy_identical"], cells["trained"]["greedy_identical"], cells["trained"]["greedy_compared"]) == (1, 0, 1)
+    assert (
+        cells["ngram"]["greedy_identical"],
+        cells["trained"]["greedy_identical"],
+        cells["trained"]["greedy_compared"],
+    ) == (1, 0, 1)
 
 
 def test_sampled_cells_skip_the_greedy_check_and_a_missing_counter_page_is_no_acceptance():
-    visits = [_visit("none", 0, None, 5, 1.0, [1], temperature=0.6), _visit("trained", 0, None, 5, 1.0, [2], temperature=0.6)]
+    visits = [
+        _visit("none", 0, None, 5, 1.0, [1], temperature=0.6),
+        _visit("trained", 0, None, 5, 1.0, [2], temperature=0.6),
+    ]
     cells = {c["method"]: c for c in matrix.pool_cells(visits, ["none", "trained"])}
     assert "greedy_compared" not in cells["trained"]
     assert cells["trained"]["mean_acceptance_length"] is None
     from eagle3.evaluate.live import problems
 
-    assert problems(list(cells.values())) == ["trained heldout T=0.6 c=1: vLLM made no drafts (speculative decoding not engaged)"]
+    assert problems(list(cells.values())) == [
+        "trained heldout T=0.6 c=1: vLLM made no drafts (speculative decoding not engaged)"
+    ]
 
 
 def _doc():
     from eagle3.evaluate.live import DECODE_RATE_DEFINITION, headline
 
-    visits = [_visit("none", 0, None, 21, 4.0, [1]), _visit("ngram", 0, _raw(2, 4, [2, 1, 1]), 21, 2.0, [1]),
-              _visit("trained", 0, _raw(8, 8, [5, 2, 1]), 21, 1.0, [1])]
-    doc = {"cells": matrix.pool_cells(visits, ["none", "ngram", "trained"]), "num_speculative_tokens": 3, "max_tokens": 32,
-           "rounds": 1, "servers": "restart", "decode_rate_definition": DECODE_RATE_DEFINITION,
-           "prompt_sets": {"heldout": {"label": "held-out split", "selection": {"note": "topped up"}, "prompt_ids": ["a"]}}}
+    visits = [
+        _visit("none", 0, None, 21, 4.0, [1]),
+        _visit("ngram", 0, _raw(2, 4, [2, 1, 1]), 21, 2.0, [1]),
+        _visit("trained", 0, _raw(8, 8, [5, 2, 1]), 21, 1.0, [1]),
+    ]
+    doc = {
+        "cells": matrix.pool_cells(visits, ["none", "ngram", "trained"]),
+        "num_speculative_tokens": 3,
+        "max_tokens": 32,
+        "rounds": 1,
+        "servers": "restart",
+        "decode_rate_definition": DECODE_RATE_DEFINITION,
+        "prompt_sets": {
+            "heldout": {"label": "held-out split", "selection": {"note": "topped up"}, "prompt_ids": ["a"]}
+        },
+    }
     doc["headline"] = headline(doc)
     return doc
 
@@ -148,12 +218,16 @@ def test_table_renders_every_cell_with_speedups_and_labels():
     rows = [line for line in text.splitlines() if line.startswith("| heldout")]
     assert len(rows) == 3
     assert rows[0].startswith("| heldout | 0 | 1 | none | 5.0 | 1.00x | 0.50x | 1 (by definition) |")
-    assert "| trained | 20.0 | 4.00x | 2.00x | 2.00 | 0.62, 0.25, 0.12 |" in rows[2] and rows[2].endswith("| 1/1 | 1/1 |")
+    assert "| trained | 20.0 | 4.00x | 2.00x | 2.00 | 0.62, 0.25, 0.12 |" in rows[2] and rows[2].endswith(
+        "| 1/1 | 1/1 |"
+    )
     assert "3.00 (steps with a proposal only)" in rows[1]
     assert "**heldout** (1 prompts): held-out split. Note: topped up" in text and "sum_i (n_i - f_i)" in text
     line = summary_line(_doc()["headline"])
-    assert line == ("live (heldout prompts, T=0, concurrency 1): decode none 5.0 tok/s, ngram 10.0 tok/s, trained 20.0 tok/s; "
-                    "acceptance length trained 2.00, ngram 3.00; trained 4.00x vs none, 2.00x vs ngram")
+    assert line == (
+        "live (heldout prompts, T=0, concurrency 1): decode none 5.0 tok/s, ngram 10.0 tok/s, trained 20.0 tok/s; "
+        "acceptance length trained 2.00, ngram 3.00; trained 4.00x vs none, 2.00x vs ngram"
+    )
     assert summary_line({}) is None
 
 
@@ -180,14 +254,24 @@ def test_evaluate_config_knobs_validate():
     ev = load_config(None, []).evaluate
     assert ev.methods == ["none", "ngram", "untrained", "trained"] and ev.prompt_sets == ["heldout", "external"]
     assert ev.concurrencies[0] == 1 and len(ev.concurrencies) == 2 and ev.rounds >= 2
-    for bad in ("evaluate.ngram_prompt_lookup_min=5", "evaluate.concurrencies=[0]", 'evaluate.methods=["eagle"]', "evaluate.methods=[]"):
+    for bad in (
+        "evaluate.ngram_prompt_lookup_min=5",
+        "evaluate.concurrencies=[0]",
+        'evaluate.methods=["eagle"]',
+        "evaluate.methods=[]",
+    ):
         with pytest.raises(ConfigError):
             load_config(None, [bad])
     cfg = load_config(None, ["evaluate.compare_untrained=false"])
     assert matrix.methods_of(cfg) == ["none", "ngram", "trained"]
     from eagle3.evaluate.servers import speculative_config
 
-    assert speculative_config("ngram", cfg, {}) == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    assert speculative_config("ngram", cfg, {}) == {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_max": 4,
+        "prompt_lookup_min": 2,
+    }
     assert speculative_config("none", cfg, {}) is None
 
 
@@ -197,10 +281,15 @@ def test_cli_summary_prints_the_headline_line(tmp_path):
     from eagle3.manifest import StageCounts, record_stage
 
     head = _doc()["headline"]
-    entry = record_stage(tmp_path, "evaluate", StageCounts(12, 12), status="ok", headline=head, mean_acceptance_length={"0": 2.0})
+    entry = record_stage(
+        tmp_path, "evaluate", StageCounts(12, 12), status="ok", headline=head, mean_acceptance_length={"0": 2.0}
+    )
     text = _summary(load_config(None, [f'run_dir="{tmp_path}"']), {"evaluate": entry})
     assert "live acceptance length (vLLM): T=0: 2.000" in text
-    assert "live (heldout prompts, T=0, concurrency 1): decode none 5.0 tok/s, ngram 10.0 tok/s, trained 20.0 tok/s;" in text
+    assert (
+        "live (heldout prompts, T=0, concurrency 1): decode none 5.0 tok/s, ngram 10.0 tok/s, trained 20.0 tok/s;"
+        in text
+    )
 
 
 def test_compiled_variants_serve_without_enforce_eager_and_the_headline_divides_by_the_faster_baseline():
@@ -212,31 +301,53 @@ def test_compiled_variants_serve_without_enforce_eager_and_the_headline_divides_
     args = ["--enforce-eager", "--max-model-len", "2048"]
     assert servers.method_args("none_compiled", args) == ["--max-model-len", "2048"]
     assert servers.method_args("trained", args) == args
-    cfg = load_config(None, ['server.args=["--enforce-eager"]', 'evaluate.methods=["none", "none_compiled", "trained_compiled"]'])
+    cfg = load_config(
+        None, ['server.args=["--enforce-eager"]', 'evaluate.methods=["none", "none_compiled", "trained_compiled"]']
+    )
     drafters = {"trained": "/d/trained"}
     assert servers.speculative_config("none_compiled", cfg, drafters) is None
-    assert servers.speculative_config("trained_compiled", cfg, drafters) == servers.speculative_config("trained", cfg, drafters)
+    assert servers.speculative_config("trained_compiled", cfg, drafters) == servers.speculative_config(
+        "trained", cfg, drafters
+    )
     with pytest.raises(ValueError, match="unknown evaluate method"):
         servers.speculative_config("ngram_eager", cfg, drafters)
     with pytest.raises(ConfigError, match="--enforce-eager"):
         load_config(None, ['server.args=["--max-model-len", "2048"]', 'evaluate.methods=["none", "none_compiled"]'])
 
     # none 5 tok/s eager, 8 compiled; trained 20 eager, 16 compiled; n-gram eager only (10)
-    visits = [_visit("none", 0, None, 21, 4.0, [1]), _visit("none_compiled", 0, None, 21, 2.5, [1]),
-              _visit("ngram", 0, _raw(2, 4, [2, 1, 1]), 21, 2.0, [1]), _visit("trained", 0, _raw(8, 8, [5, 2, 1]), 21, 1.0, [1]),
-              _visit("trained_compiled", 0, _raw(8, 8, [5, 2, 1]), 21, 1.25, [1])]
+    visits = [
+        _visit("none", 0, None, 21, 4.0, [1]),
+        _visit("none_compiled", 0, None, 21, 2.5, [1]),
+        _visit("ngram", 0, _raw(2, 4, [2, 1, 1]), 21, 2.0, [1]),
+        _visit("trained", 0, _raw(8, 8, [5, 2, 1]), 21, 1.0, [1]),
+        _visit("trained_compiled", 0, _raw(8, 8, [5, 2, 1]), 21, 1.25, [1]),
+    ]
     methods = ["none", "none_compiled", "ngram", "trained", "trained_compiled"]
     cells = {c["method"]: c for c in matrix.pool_cells(visits, methods)}
-    assert cells["none_compiled"]["mean_acceptance_length"] == 1.0 and "definition" in cells["none_compiled"]["acceptance_source"]
+    assert (
+        cells["none_compiled"]["mean_acceptance_length"] == 1.0
+        and "definition" in cells["none_compiled"]["acceptance_source"]
+    )
     assert cells["trained"]["speedup_vs_none"] == pytest.approx(4.0)
     assert cells["trained"]["speedup_vs_fastest_none"] == pytest.approx(20 / 8)
     assert cells["trained_compiled"]["speedup_vs_fastest_none"] == pytest.approx(16 / 8)
     assert cells["trained_compiled"]["greedy_identical"] == 1
-    doc = {"cells": list(cells.values()), "num_speculative_tokens": 3, "max_tokens": 32, "rounds": 1, "servers": "restart",
-           "decode_rate_definition": "d", "prompt_sets": {"heldout": {"label": "h", "selection": {}, "prompt_ids": ["a"]}}}
+    doc = {
+        "cells": list(cells.values()),
+        "num_speculative_tokens": 3,
+        "max_tokens": 32,
+        "rounds": 1,
+        "servers": "restart",
+        "decode_rate_definition": "d",
+        "prompt_sets": {"heldout": {"label": "h", "selection": {}, "prompt_ids": ["a"]}},
+    }
     head = headline(doc)
     assert head["speedup_fastest_vs_fastest_none"] == pytest.approx(20 / 8)
-    assert (head["fastest_trained_method"], head["fastest_none_method"], head["fastest_ngram_method"]) == ("trained", "none_compiled", "ngram")
+    assert (head["fastest_trained_method"], head["fastest_none_method"], head["fastest_ngram_method"]) == (
+        "trained",
+        "none_compiled",
+        "ngram",
+    )
     assert head["speedup_fastest_vs_fastest_ngram"] == pytest.approx(2.0)
     doc["headline"] = head
     assert "faster no-speculation server (none_compiled)" in markdown_table(doc)

@@ -9,13 +9,12 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from fake_openai import FakeConfig, FaultRule, completion_for, run_fake_server
-
 from eagle3.config import DEMO_RECIPE, load_config
 from eagle3.generate.client import EndpointPool, deadline_s
 from eagle3.generate.shard import generate_shard, paths
 from eagle3.generate.stage import out_dir, prepared_shards
 from eagle3.prepare.stage import run_prepare
+from fake_openai import FakeConfig, FaultRule, completion_for, run_fake_server
 
 N, SHARDS, CONCURRENCY = 3000, 4, 256
 EXHAUSTED = "exhaust me"  # a 503 on its first 3 attempts: fails pass 1 with max_attempts=3, resumed by pass 2
@@ -25,12 +24,23 @@ def _run(tmp_path):
     src = tmp_path / "prompts.jsonl"
     texts = [f"load test prompt {i}" for i in range(N - 1)] + [f"please {EXHAUSTED} now"]
     src.write_text("".join(json.dumps({"messages": [{"role": "user", "content": t}]}) + "\n" for t in texts))
-    config = load_config(DEMO_RECIPE, [
-        f'run_dir="{tmp_path / "run"}"', f'data.source="{src}"', f"data.num_shards={SHARDS}", "generation.max_tokens=64",
-        f"generation.concurrency={CONCURRENCY}", f"generation.shard_parallelism={SHARDS}", "generation.request_timeout_s=10",
-        "generation.max_attempts=3", "generation.backoff_base_s=0.05", "generation.backoff_max_s=0.2",
-        'server.mode="external"', 'server.model="fake-target"',
-    ])
+    config = load_config(
+        DEMO_RECIPE,
+        [
+            f'run_dir="{tmp_path / "run"}"',
+            f'data.source="{src}"',
+            f"data.num_shards={SHARDS}",
+            "generation.max_tokens=64",
+            f"generation.concurrency={CONCURRENCY}",
+            f"generation.shard_parallelism={SHARDS}",
+            "generation.request_timeout_s=10",
+            "generation.max_attempts=3",
+            "generation.backoff_base_s=0.05",
+            "generation.backoff_max_s=0.2",
+            'server.mode="external"',
+            'server.model="fake-target"',
+        ],
+    )
     run_prepare(config)
     return config
 
@@ -70,8 +80,13 @@ def _on_disk(config):
 
 def test_3000_prompts_with_5_percent_faults_lose_and_duplicate_nothing(tmp_path):
     config = _run(tmp_path)
-    fake = FakeConfig(fault_rate=0.05, fault_mix={"hang": 0.25, "429": 0.25, "5xx": 0.25, "reset": 0.25}, fault_retry_after=0.1,
-                      rules=[FaultRule(EXHAUSTED, "status", times=3, status=503)], seed=7)
+    fake = FakeConfig(
+        fault_rate=0.05,
+        fault_mix={"hang": 0.25, "429": 0.25, "5xx": 0.25, "reset": 0.25},
+        fault_retry_after=0.1,
+        rules=[FaultRule(EXHAUSTED, "status", times=3, status=503)],
+        seed=7,
+    )
     started = time.monotonic()
     passes, retries, failure_records = [], Counter(), Counter()
     with run_fake_server(fake, in_thread=False) as server:
@@ -120,11 +135,15 @@ def test_3000_prompts_with_5_percent_faults_lose_and_duplicate_nothing(tmp_path)
         assert seen[f"http_{code}"] <= faults[code], (code, seen, faults)
     assert seen["connection_error"] <= faults["reset"]
     assert sum(seen.values()) >= sum(faults.values()), (seen, faults)
-    assert set(seen) <= {"timeout", "connection_error", "http_429", "http_500", "http_502", "http_503", "http_504"}, seen
+    assert set(seen) <= {"timeout", "connection_error", "http_429", "http_500", "http_502", "http_503", "http_504"}, (
+        seen
+    )
     assert 0.03 < sum(faults.values()) / stats["requests_total"] < 0.07
 
     # What was kept is what the server sent, token for token (a sample).
-    for record in [json.loads(line) for line in paths(out_dir(config), "shard-00000.parquet")["ok"].read_text().splitlines()[:200]]:
+    for record in [
+        json.loads(line) for line in paths(out_dir(config), "shard-00000.parquet")["ok"].read_text().splitlines()[:200]
+    ]:
         prompt_ids, completion = completion_for(fake, prompts[record["id"]], 64)
         assert record["prompt_token_ids"] == prompt_ids and record["completion_token_ids"] == completion.token_ids
     assert elapsed < 60, f"took {elapsed:.1f} s"

@@ -91,9 +91,13 @@ def make(script: Path, tmp_path: Path):
     def make(behave: str = "ok", *more: str, **kwargs) -> ManagedServer:
         kwargs.setdefault("startup_timeout_s", 20)
         kwargs.setdefault("stop_grace_s", 5)
-        return ManagedServer([sys.executable, str(script)], "tiny-model",
-                             log_path=tmp_path / "server.log",
-                             extra_args=["--behave", behave, *more], **kwargs)
+        return ManagedServer(
+            [sys.executable, str(script)],
+            "tiny-model",
+            log_path=tmp_path / "server.log",
+            extra_args=["--behave", behave, *more],
+            **kwargs,
+        )
 
     return make
 
@@ -197,7 +201,8 @@ def test_check_raises_after_external_kill(make):
 def test_interpreter_exit_without_stop_still_stops_the_server(script, tmp_path):
     log = tmp_path / "server.log"
     driver = tmp_path / "driver.py"
-    driver.write_text(textwrap.dedent(f"""
+    driver.write_text(
+        textwrap.dedent(f"""
         import sys
         from eagle3.serving import ManagedServer
         server = ManagedServer([sys.executable, {str(script)!r}], "m", log_path={str(log)!r},
@@ -205,7 +210,8 @@ def test_interpreter_exit_without_stop_still_stops_the_server(script, tmp_path):
         server.start()
         print(server.pid, flush=True)
         # no stop(), no with: only the atexit hook can clean up
-    """))
+    """)
+    )
     done = subprocess.run([sys.executable, str(driver)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     leader, grandchild = int(done.stdout.split()[0]), grandchild_pid(log)
@@ -229,11 +235,24 @@ def test_health_watcher_records_failures_without_killing(make, tmp_path):
 
 
 def test_argv_model_position_and_managed_flags():
-    module = build_argv(["py", "-m", "vllm.entrypoints.openai.api_server"], "/m", "127.0.0.1", 8000,
-                        "tiny", ["--max-num-seqs", "4"])
-    assert module == ["py", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m",
-                      "--host", "127.0.0.1", "--port", "8000", "--served-model-name", "tiny",
-                      "--max-num-seqs", "4"]
+    module = build_argv(
+        ["py", "-m", "vllm.entrypoints.openai.api_server"], "/m", "127.0.0.1", 8000, "tiny", ["--max-num-seqs", "4"]
+    )
+    assert module == [
+        "py",
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        "/m",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "8000",
+        "--served-model-name",
+        "tiny",
+        "--max-num-seqs",
+        "4",
+    ]
     serve = build_argv(["vllm", "serve"], "org/model", "0.0.0.0", 8000, None, [])
     assert serve[:3] == ["vllm", "serve", "org/model"] and "--served-model-name" not in serve
     for clash in (["--port", "1"], ["--api-key=x"], ["--model", "y"], ["--served_model_name", "z"]):

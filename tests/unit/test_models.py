@@ -69,8 +69,11 @@ def hub(tmp_path_factory, tiny) -> dict:
     root = tmp_path_factory.mktemp("hf")
     cache = root / "hub"
     padded = padded_copy(tiny, root / "padded")
-    return {"cache": cache, "plain": add_to_hub_cache(cache, "acme/tiny-qwen3", tiny),
-            "padded": add_to_hub_cache(cache, "acme/tiny-padded", padded)}
+    return {
+        "cache": cache,
+        "plain": add_to_hub_cache(cache, "acme/tiny-qwen3", tiny),
+        "padded": add_to_hub_cache(cache, "acme/tiny-padded", padded),
+    }
 
 
 @pytest.fixture()
@@ -88,7 +91,9 @@ def make_run(tmp_path: Path, *sets: str):
     from eagle3.tokenize.stage import load_tokenizer, tokenizer_path
 
     src = tmp_path / "p.jsonl"
-    src.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": f"question {i}?"}]}) + "\n" for i in range(4)))
+    src.write_text(
+        "".join(json.dumps({"conversations": [{"from": "human", "value": f"question {i}?"}]}) + "\n" for i in range(4))
+    )
     config = load_config(None, [f'run_dir="{tmp_path / "run"}"', f'data.source="{src}"', "data.num_shards=1", *sets])
     run_prepare(config)
     tok = load_tokenizer(tokenizer_path(config))
@@ -96,9 +101,19 @@ def make_run(tmp_path: Path, *sets: str):
     gen.mkdir(parents=True)
     with JsonlAppender(gen / "shard-00000.jsonl") as out:
         for k, row in enumerate(pq.read_table(Path(config.run_dir) / "prompts" / "shard-00000.parquet").to_pylist()):
-            answer = tok.encode(f"Thinking about {k}.\n</think>\n\nIt is {k}.", add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
-            out.append({"id": row["id"], "prompt_token_ids": render_ids(tok, row["messages"], add_generation_prompt=True),
-                        "completion_token_ids": answer, "reasoning": "", "content": "", "finish_reason": "stop"})
+            answer = tok.encode(f"Thinking about {k}.\n</think>\n\nIt is {k}.", add_special_tokens=False) + [
+                tok.convert_tokens_to_ids("<|im_end|>")
+            ]
+            out.append(
+                {
+                    "id": row["id"],
+                    "prompt_token_ids": render_ids(tok, row["messages"], add_generation_prompt=True),
+                    "completion_token_ids": answer,
+                    "reasoning": "",
+                    "content": "",
+                    "finish_reason": "stop",
+                }
+            )
     (gen / "shard-00000.done.json").write_text("{}")
     return config, tok
 
@@ -116,6 +131,7 @@ def vocab_tensors(config) -> dict:
 
 
 # -- 1. hub ids through the local cache ---------------------------------------------------------
+
 
 def test_a_hub_id_resolves_to_its_cached_snapshot(offline_cache):
     snapshot = str(offline_cache["plain"])
@@ -157,11 +173,30 @@ def test_neither_a_folder_nor_a_hub_id_is_a_clear_error(offline_cache, tmp_path)
 
 def test_the_cli_prints_one_line_for_a_missing_model(tmp_path):
     env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "empty"), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([PYTHON, "-m", "eagle3.cli", "vocab", "--set", f'run_dir="{tmp_path / "run"}"', "--set", 'server.model="acme/absent"'],
-                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    out = subprocess.run(
+        [
+            PYTHON,
+            "-m",
+            "eagle3.cli",
+            "vocab",
+            "--set",
+            f'run_dir="{tmp_path / "run"}"',
+            "--set",
+            'server.model="acme/absent"',
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert out.returncode == 1, out.stderr
     lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("eagle3 vocab: error: model 'acme/absent'") and "hf download acme/absent" in lines[0]
+    assert (
+        len(lines) == 1
+        and lines[0].startswith("eagle3 vocab: error: model 'acme/absent'")
+        and "hf download acme/absent" in lines[0]
+    )
 
 
 def test_tokenize_vocab_and_generation_key_read_a_hub_id_through_the_cache(offline_cache, tmp_path):
@@ -190,12 +225,15 @@ def test_extract_train_head_and_export_read_a_hub_id_through_the_cache(offline_c
     assert torch.equal(head.embed, reference.embed) and torch.equal(head.lm_head, reference.lm_head)
 
     config = load_config(None, [f'run_dir="{tmp_path / "run"}"', 'server.model="acme/tiny-qwen3"'])
-    write_untrained_checkpoint(snapshot, tmp_path / "run" / "checkpoints" / "step-000001", draft_ids=list(range(0, 4096, 4)))
+    write_untrained_checkpoint(
+        snapshot, tmp_path / "run" / "checkpoints" / "step-000001", draft_ids=list(range(0, 4096, 4))
+    )
     entry = run_export(config)
     assert set(entry["paths"]) == {"vllm", "speculators"} and entry["problems"] == {} and entry["target"] == snapshot
 
 
 # -- 2. the config's vocab size over the tokenizer's ---------------------------------------------
+
 
 def test_the_vocab_follows_the_configs_rows_past_the_tokenizer(offline_cache, tmp_path):
     config, tok = make_run(tmp_path, 'server.model="acme/tiny-padded"', "vocab.draft_vocab_size=256")
@@ -214,11 +252,17 @@ def test_a_separate_tokenizer_folder_still_takes_the_targets_vocab_size(offline_
         if f.name.startswith("tokenizer") or f.suffix == ".jinja" or f.name == "special_tokens_map.json":
             shutil.copy(f, tokenizer_only / f.name)
     assert not (tokenizer_only / "config.json").exists()
-    config, tok = make_run(tmp_path, 'server.model="acme/tiny-padded"', f'tokenize.tokenizer="{tokenizer_only}"', "vocab.draft_vocab_size=256")
+    config, tok = make_run(
+        tmp_path,
+        'server.model="acme/tiny-padded"',
+        f'tokenize.tokenizer="{tokenizer_only}"',
+        "vocab.draft_vocab_size=256",
+    )
     assert tokenize_and_vocab(config, tok)["target_vocab_size"] == PADDED_VOCAB
 
 
 # -- 3. tied-embedding targets ------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def tied(tmp_path_factory) -> Path:
@@ -239,7 +283,9 @@ def test_the_tied_build_stores_no_head_and_transformers_ties_it(tied, tiny):
     assert "tie_embeddings" not in json.loads((tiny / "eagle3_tiny.json").read_text())
     model = AutoModelForCausalLM.from_pretrained(str(tied), dtype=torch.float32)
     assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
-    assert torch.equal(model.model.embed_tokens.weight, load_file(str(tiny / "model.safetensors"))["model.embed_tokens.weight"].float())
+    assert torch.equal(
+        model.model.embed_tokens.weight, load_file(str(tiny / "model.safetensors"))["model.embed_tokens.weight"].float()
+    )
 
 
 def test_the_head_of_a_tied_target_is_its_embedding_and_gives_its_logits(tied):
@@ -281,50 +327,72 @@ def test_a_config_without_the_tie_key_takes_the_architectures_default(tied, tmp_
 
 
 def test_a_tied_target_trains_and_exports(tied, tmp_path):
-    from hidden_runs import make_run as make_hidden_run
     from safetensors.numpy import save_file
 
     from eagle3.export.layouts import write_untrained_checkpoint
     from eagle3.export.stage import run_export
     from eagle3.hidden.stage import extract_shard, plan, record
     from eagle3.train.trainer import Dist, Trainer
+    from hidden_runs import make_run as make_hidden_run
 
     lengths = tuple(range(20, 50, 5))
-    config, names = make_hidden_run(tmp_path, (lengths,), f'server.model="{tied}"', "train.batch_tokens=120", "train.ttt_steps=2",
-                                    "train.eval_fraction=0.2", "train.epochs=1", "train.learning_rate=3e-3", "train.save_every_steps=2")
+    config, names = make_hidden_run(
+        tmp_path,
+        (lengths,),
+        f'server.model="{tied}"',
+        "train.batch_tokens=120",
+        "train.ttt_steps=2",
+        "train.eval_fraction=0.2",
+        "train.epochs=1",
+        "train.learning_rate=3e-3",
+        "train.save_every_steps=2",
+    )
     the_plan = plan(config, names)
     record(config, [extract_shard(config, s, the_plan) for s in names], the_plan)
     ids = np.arange(0, 4096, 4, dtype=np.int64)  # a draft vocabulary a quarter of the target's
     t2d = np.zeros(4096, dtype=bool)
     t2d[ids] = True
     (Path(config.run_dir) / "vocab").mkdir()
-    save_file({"d2t": ids - np.arange(len(ids)), "t2d": t2d}, str(Path(config.run_dir) / "vocab" / "draft_vocab.safetensors"))
+    save_file(
+        {"d2t": ids - np.arange(len(ids)), "t2d": t2d}, str(Path(config.run_dir) / "vocab" / "draft_vocab.safetensors")
+    )
 
     trainer = Trainer(config, names, str(tied), [1, 2, 3], Dist(), log=lambda m: None)
     embed = trainer.target.embed
-    assert torch.equal(trainer.model.lm_head.weight.detach().to(embed.dtype), embed[torch.from_numpy(ids)]), "head rows start as the embedding's"
+    assert torch.equal(trainer.model.lm_head.weight.detach().to(embed.dtype), embed[torch.from_numpy(ids)]), (
+        "head rows start as the embedding's"
+    )
     result = trainer.train()
     assert result["steps"] >= 2
     entry = run_export(config)
     assert set(entry["paths"]) == {"vllm", "speculators"} and entry["problems"] == {}
 
     twin = write_untrained_checkpoint(tied, tmp_path / "twin", draft_ids=ids.tolist())
-    assert torch.equal(load_file(str(twin / "model.safetensors"))["lm_head.weight"].to(embed.dtype), embed[torch.from_numpy(ids)])
+    assert torch.equal(
+        load_file(str(twin / "model.safetensors"))["lm_head.weight"].to(embed.dtype), embed[torch.from_numpy(ids)]
+    )
 
 
 @pytest.mark.anyio
 async def test_the_managed_server_loads_the_snapshot_under_the_hub_id(offline_cache, tmp_path):
     """vLLM gets the resolved folder (no hub access at start-up, the bytes every stage reads) and
     --served-model-name ID; requests, records and tokenize's check all use the id."""
-    from test_managed_server import STAND_IN  # a stand-in vLLM that answers /v1/models with the served name
-
     from eagle3.generate.stage import expected_target
     from tasks.serve import target_server
+    from test_managed_server import STAND_IN  # a stand-in vLLM that answers /v1/models with the served name
 
     script = tmp_path / "stand_in.py"
     script.write_text(STAND_IN)
-    config = load_config(None, [f'run_dir="{tmp_path / "run"}"', 'server.model="acme/tiny-qwen3"', f'server.command=["{PYTHON}", "{script}"]',
-                                "server.args=[]", "server.startup_timeout_s=60"])
+    config = load_config(
+        None,
+        [
+            f'run_dir="{tmp_path / "run"}"',
+            'server.model="acme/tiny-qwen3"',
+            f'server.command=["{PYTHON}", "{script}"]',
+            "server.args=[]",
+            "server.startup_timeout_s=60",
+        ],
+    )
     (tmp_path / "run" / "generations").mkdir(parents=True)
     async with target_server(config, logging.getLogger("test")) as serving:
         argv = serving.server.argv

@@ -71,9 +71,17 @@ BAD = [
     ("unknown_role", {"messages": [{"role": None, "content": "x"}]}, "role None"),
     ("non_string_content", {"conversations": [{"from": "human", "value": 42}]}, "turn 0 content is int"),
     ("non_string_content", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "content is list"),
-    ("no_user_turn", {"conversations": [{"from": "system", "value": "s"}, {"from": "gpt", "value": "a"}]}, "no user turn"),
+    (
+        "no_user_turn",
+        {"conversations": [{"from": "system", "value": "s"}, {"from": "gpt", "value": "a"}]},
+        "no user turn",
+    ),
     ("empty_content", {"conversations": [{"from": "human", "value": "   "}]}, "turn 0 (user) is empty"),
-    ("empty_content", {"messages": [{"role": "system", "content": ""}, {"role": "user", "content": "q"}]}, "turn 0 (system) is empty"),
+    (
+        "empty_content",
+        {"messages": [{"role": "system", "content": ""}, {"role": "user", "content": "q"}]},
+        "turn 0 (system) is empty",
+    ),
 ]
 
 
@@ -86,10 +94,20 @@ def test_bad_rows_are_rejected_with_kind_and_detail(kind, row, detail):
 
 
 def test_too_long_is_per_prompt_in_all_turns_mode():
-    row = {"conversations": [{"from": "human", "value": "short"}, {"from": "gpt", "value": "a"}, {"from": "human", "value": "x" * 50}]}
+    row = {
+        "conversations": [
+            {"from": "human", "value": "short"},
+            {"from": "gpt", "value": "a"},
+            {"from": "human", "value": "x" * 50},
+        ]
+    }
     first, second = candidates(row, "all_turns", 20)
     assert isinstance(first, Prompt)
-    assert isinstance(second, Rejected) and second.kind == "too_long" and "56 characters > data.max_prompt_chars=20" in second.detail
+    assert (
+        isinstance(second, Rejected)
+        and second.kind == "too_long"
+        and "56 characters > data.max_prompt_chars=20" in second.detail
+    )
 
 
 def test_empty_answer_after_last_user_turn_does_not_matter():

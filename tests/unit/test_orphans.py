@@ -27,11 +27,15 @@ SLEEPER = "import subprocess, time; subprocess.Popen(['sleep', '300']); time.sle
 DRIVERS = {
     "managed": """
         from eagle3.serving.managed import ManagedServer
-        ManagedServer([sys.executable, "-c", SLEEPER], "m", log_path=d / "server.log", startup_timeout_s=300, stop_grace_s=2).start()
+        ManagedServer(
+            [sys.executable, "-c", SLEEPER], "m", log_path=d / "server.log", startup_timeout_s=300, stop_grace_s=2
+        ).start()
     """,
     "torchrun": """
         from eagle3.train.stage import _run_streamed
-        _run_streamed([sys.executable, "-c", SLEEPER], 300, logging.getLogger(), cwd=d, threads=1, pidfile=d / "torchrun.pid")
+        _run_streamed(
+            [sys.executable, "-c", SLEEPER], 300, logging.getLogger(), cwd=d, threads=1, pidfile=d / "torchrun.pid"
+        )
     """,
     "vllm_worker": """
         from eagle3.hidden.vllm_backend import run_worker
@@ -42,7 +46,10 @@ PIDFILES = {"managed": "server.pid", "torchrun": "torchrun.pid", "vllm_worker": 
 
 
 def start_driver(kind: str, folder: Path) -> subprocess.Popen:
-    code = f"import logging, sys\nfrom pathlib import Path\nd = Path({str(folder)!r})\nSLEEPER = {SLEEPER!r}\n" + textwrap.dedent(DRIVERS[kind])
+    code = (
+        f"import logging, sys\nfrom pathlib import Path\nd = Path({str(folder)!r})\nSLEEPER = {SLEEPER!r}\n"
+        + textwrap.dedent(DRIVERS[kind])
+    )
     return subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
 
 
@@ -58,6 +65,7 @@ def wait_for(predicate, timeout_s: float, what: str):
 
 def group_of(pidfile: Path) -> int:
     """The child's pgid, once the launcher recorded it and the grandchild is up."""
+
     def ready():
         if not pidfile.exists():
             return None
@@ -126,8 +134,13 @@ def test_next_start_reaps_a_group_whose_parent_and_guard_were_killed(tmp_path, c
     assert orphans.stale_members(tmp_path / "server.pid") == orphans_left
     # The next managed start in the same folder stops it before spawning its own server.
     with pytest.raises(ServerError, match="not ready within"):
-        ManagedServer([sys.executable, "-c", "import time; time.sleep(30)"], "m", log_path=tmp_path / "server.log",
-                      startup_timeout_s=1, stop_grace_s=1).start()
+        ManagedServer(
+            [sys.executable, "-c", "import time; time.sleep(30)"],
+            "m",
+            log_path=tmp_path / "server.log",
+            startup_timeout_s=1,
+            stop_grace_s=1,
+        ).start()
     assert not orphans.group_members(pgid)
     assert f"stopping process group {pgid} left running by a killed earlier run" in caplog.text
 
@@ -156,9 +169,11 @@ def test_pidfile_never_names_a_live_owners_group_or_a_reused_pid(tmp_path):
 def test_guard_kills_descendants_in_other_sessions_that_ignore_sigterm(tmp_path):
     # Like torchrun: the leader starts its worker in a session of its own; here both ignore
     # SIGTERM, so only the guard's SIGKILL of the group *and* of the leader's descendants ends them.
-    stubborn = ("import signal, subprocess, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-                "subprocess.Popen(['python3', '-c', 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)'], "
-                "start_new_session=True); time.sleep(300)")
+    stubborn = (
+        "import signal, subprocess, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "subprocess.Popen(['python3', '-c', 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "time.sleep(300)'], start_new_session=True); time.sleep(300)"
+    )
     code = textwrap.dedent(f"""
         import subprocess, sys, time
         from eagle3.serving import orphans
@@ -169,13 +184,31 @@ def test_guard_kills_descendants_in_other_sessions_that_ignore_sigterm(tmp_path)
     driver = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
     worker = None
     try:
-        pgid = wait_for(lambda: (tmp_path / "x.pid").exists() and guard_of(json.loads((tmp_path / "x.pid").read_text())["pgid"])
-                        and json.loads((tmp_path / "x.pid").read_text())["pgid"], 30, "pidfile and guard")
-        worker = wait_for(lambda: [p for p, st in ((int(e), orphans._stat(int(e))) for e in os.listdir("/proc") if e.isdigit())
-                                   if st and int(st[1]) == pgid], 30, "the leader's worker")[0]
+        pgid = wait_for(
+            lambda: (
+                (tmp_path / "x.pid").exists()
+                and guard_of(json.loads((tmp_path / "x.pid").read_text())["pgid"])
+                and json.loads((tmp_path / "x.pid").read_text())["pgid"]
+            ),
+            30,
+            "pidfile and guard",
+        )
+        worker = wait_for(
+            lambda: [
+                p
+                for p, st in ((int(e), orphans._stat(int(e))) for e in os.listdir("/proc") if e.isdigit())
+                if st and int(st[1]) == pgid
+            ],
+            30,
+            "the leader's worker",
+        )[0]
         assert int(orphans._stat(worker)[3]) == worker, "the worker leads a session of its own"
         kill_driver(driver)
-        wait_for(lambda: not orphans.group_members(pgid) and gone(worker), 10, "the group and the worker in another session to be gone")
+        wait_for(
+            lambda: not orphans.group_members(pgid) and gone(worker),
+            10,
+            "the group and the worker in another session to be gone",
+        )
     finally:
         if driver.poll() is None:
             kill_driver(driver)

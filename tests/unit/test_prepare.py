@@ -17,8 +17,17 @@ from eagle3.prepare.sources import SourceError
 from eagle3.prepare.stage import MARKER, PrepareError, run_prepare, shard_of
 
 DEMO_BAD_KINDS = {
-    "invalid_json", "empty", "non_string_content", "duplicate", "unknown_role", "not_an_object",
-    "too_long", "no_user_turn", "bad_turn", "no_conversation", "empty_content",
+    "invalid_json",
+    "empty",
+    "non_string_content",
+    "duplicate",
+    "unknown_role",
+    "not_an_object",
+    "too_long",
+    "no_user_turn",
+    "bad_turn",
+    "no_conversation",
+    "empty_content",
 }
 
 
@@ -34,7 +43,11 @@ def read_shards(out: Path):
 
 
 def file_bytes(out: Path):
-    return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.name.startswith("shard-") or p.name == "rejected.jsonl"}
+    return {
+        p.name: p.read_bytes()
+        for p in sorted(out.iterdir())
+        if p.name.startswith("shard-") or p.name == "rejected.jsonl"
+    }
 
 
 def write_jsonl(path, rows):
@@ -126,7 +139,9 @@ def test_limit_is_a_seeded_sample(tmp_path):
 
 
 def test_too_many_rejections_fail_loudly_without_marker(tmp_path):
-    src = write_jsonl(tmp_path / "bad.jsonl", [{"text": "x"}, {"text": "y"}, {"conversations": [{"from": "human", "value": "ok"}]}])
+    src = write_jsonl(
+        tmp_path / "bad.jsonl", [{"text": "x"}, {"text": "y"}, {"conversations": [{"from": "human", "value": "ok"}]}]
+    )
     config = config_for(tmp_path / "run", f'data.source="{src}"')
     with pytest.raises(PrepareError) as err:
         run_prepare(config)
@@ -144,8 +159,17 @@ def test_openai_schema_folder_with_json_jsonl_and_parquet(tmp_path):
     folder = tmp_path / "src"
     folder.mkdir()
     write_jsonl(folder / "a.jsonl", [{"messages": [{"role": "user", "content": "alpha"}]}, "{oops"])
-    (folder / "b.json").write_text(json.dumps({"data": [{"messages": [{"role": "user", "content": "beta"}, {"role": "assistant", "content": "B"}]}]}))
-    table = pa.Table.from_pylist([{"conversations": [{"from": "human", "value": "gamma"}]}, {"conversations": [{"from": "human", "value": "alpha"}]}])
+    (folder / "b.json").write_text(
+        json.dumps(
+            {"data": [{"messages": [{"role": "user", "content": "beta"}, {"role": "assistant", "content": "B"}]}]}
+        )
+    )
+    table = pa.Table.from_pylist(
+        [
+            {"conversations": [{"from": "human", "value": "gamma"}]},
+            {"conversations": [{"from": "human", "value": "alpha"}]},
+        ]
+    )
     pq.write_table(table, folder / "c.parquet")
     (folder / "notes.txt").write_text("ignored: not a data file")
     result = run_prepare(config_for(tmp_path / "run", f'data.source="{folder}"', "data.num_shards=1"))
@@ -159,10 +183,19 @@ def test_openai_schema_folder_with_json_jsonl_and_parquet(tmp_path):
 
 
 def test_all_turns_mode_accounts_per_prompt(tmp_path):
-    src = write_jsonl(tmp_path / "mt.jsonl", [
-        {"conversations": [{"from": "human", "value": "q1"}, {"from": "gpt", "value": "a1"}, {"from": "human", "value": "q2"}]},
-        {"conversations": [{"from": "human", "value": "q1"}]},
-    ])
+    src = write_jsonl(
+        tmp_path / "mt.jsonl",
+        [
+            {
+                "conversations": [
+                    {"from": "human", "value": "q1"},
+                    {"from": "gpt", "value": "a1"},
+                    {"from": "human", "value": "q2"},
+                ]
+            },
+            {"conversations": [{"from": "human", "value": "q1"}]},
+        ],
+    )
     result = run_prepare(config_for(tmp_path / "run", f'data.source="{src}"', 'data.turns="all_turns"'))
     c = result.counts
     assert (c["in"], c["ok"], c["filtered"], c["source_rows"]) == (3, 2, 1, 2)
@@ -210,7 +243,15 @@ run_prepare(load_config(DEMO_RECIPE, sys.argv[1:]))
 
 
 def test_sigkill_mid_stage_then_rerun_matches_clean_run(tmp_path):
-    rows = [{"conversations": [{"from": "system", "value": "s" * (i % 7 + 1)}, {"from": "human", "value": f"prompt number {i} " * 20}]} for i in range(150_000)]
+    rows = [
+        {
+            "conversations": [
+                {"from": "system", "value": "s" * (i % 7 + 1)},
+                {"from": "human", "value": f"prompt number {i} " * 20},
+            ]
+        }
+        for i in range(150_000)
+    ]
     src = write_jsonl(tmp_path / "big.jsonl", rows)
     sets = [f'data.source="{src}"', "data.num_shards=3"]
     killed = tmp_path / "killed"

@@ -31,8 +31,21 @@ def _keyword(call: ast.Call, name: str):
     return None
 
 
-UNPICKLERS = ("pickle.load", "pickle.loads", "dill.load", "dill.loads", "cloudpickle.load", "cloudpickle.loads", "joblib.load",
-              "shelve.open", "marshal.load", "marshal.loads", "Unpickler", "read_pickle", "torch.jit.load")
+UNPICKLERS = (
+    "pickle.load",
+    "pickle.loads",
+    "dill.load",
+    "dill.loads",
+    "cloudpickle.load",
+    "cloudpickle.loads",
+    "joblib.load",
+    "shelve.open",
+    "marshal.load",
+    "marshal.loads",
+    "Unpickler",
+    "read_pickle",
+    "torch.jit.load",
+)
 
 
 def pickle_loaders(path: Path) -> list[str]:
@@ -41,8 +54,19 @@ def pickle_loaders(path: Path) -> list[str]:
     found = []
     tree = ast.parse(path.read_text(), filename=str(path))
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module in {"pickle", "dill", "cloudpickle", "joblib", "marshal", "shelve"}:
-            found += [f"{path}:{node.lineno}: from {node.module} import {a.name}" for a in node.names if a.name != "UnpicklingError"]
+        if isinstance(node, ast.ImportFrom) and node.module in {
+            "pickle",
+            "dill",
+            "cloudpickle",
+            "joblib",
+            "marshal",
+            "shelve",
+        }:
+            found += [
+                f"{path}:{node.lineno}: from {node.module} import {a.name}"
+                for a in node.names
+                if a.name != "UnpicklingError"
+            ]
     for call, func in _calls(tree):
         where = f"{path}:{call.lineno}: {func}"
         if func.endswith("torch.load"):
@@ -57,9 +81,11 @@ def pickle_loaders(path: Path) -> list[str]:
 
 def test_the_scan_finds_the_loaders_it_looks_for(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("import pickle\nimport torch, numpy as np\ntorch.load('x')\ntorch.load('y', weights_only=False)\n"
-                   "np.load('z', allow_pickle=True)\ntorch.load('ok', weights_only=True)\nnp.load('ok')\npickle.loads(b'')\n"
-                   "from pickle import Unpickler, UnpicklingError\n")
+    bad.write_text(
+        "import pickle\nimport torch, numpy as np\ntorch.load('x')\ntorch.load('y', weights_only=False)\n"
+        "np.load('z', allow_pickle=True)\ntorch.load('ok', weights_only=True)\nnp.load('ok')\npickle.loads(b'')\n"
+        "from pickle import Unpickler, UnpicklingError\n"
+    )
     found = sorted(pickle_loaders(bad), key=lambda f: int(f.split(":")[1]))
     assert [int(f.split(":")[1]) for f in found] == [3, 4, 5, 8, 9], found
 
@@ -108,12 +134,12 @@ def test_servers_default_to_loopback():
 
 
 def test_a_moved_run_dir_resumes_and_exports_from_its_own_checkpoints(tmp_path):
-    """latest.json / best.json record absolute paths; a moved run must not read the old place (gone, or another run's)."""
+    """latest.json / best.json record absolute paths; a moved run must not read the old place
+    (gone, or another run's)."""
     import shutil
 
-    from test_train import make_train_run, torchrun
-
     from eagle3.export.stage import find_checkpoint
+    from test_train import make_train_run, torchrun
 
     config, names = make_train_run(tmp_path / "old", "train.epochs=1")
     torchrun(config, names, nproc=1)

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-from fake_openai import FakeConfig, FaultRule, run_fake_server, vocabulary
 
 from conftest import ROOT
 from eagle3.config import DEMO_RECIPE, ConfigError, load_config
@@ -23,6 +22,7 @@ from eagle3.prepare import self_prompts as sp_mod
 from eagle3.prepare.dedup import NearDuplicates, band_rows
 from eagle3.prepare.self_prompts import SelfPromptsError, collect, make_plan
 from eagle3.prepare.turn_prefix import derive, derive_all
+from fake_openai import FakeConfig, FaultRule, run_fake_server, vocabulary
 
 # A SmolLM2-style ChatML template: without a system message it writes a default one.
 CHATML_DEFAULT_SYSTEM = (
@@ -32,7 +32,10 @@ CHATML_DEFAULT_SYSTEM = (
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-REJECTS_SYSTEM = "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}<u>{{ m['content'] }}</u>\n{% endfor %}"
+REJECTS_SYSTEM = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif "
+    "%}<u>{{ m['content'] }}</u>\n{% endfor %}"
+)
 
 SCRIPT = [
     "Write a poem about cats.",
@@ -61,8 +64,15 @@ def tokenizer(arch: str, template: str | None = None):
 
 
 def config(tmp_path: Path, *sets: str):
-    base = [f'run_dir="{tmp_path / "run"}"', 'data.source="self:prompts"', "data.self_prompts.n=3",
-            "data.self_prompts.max_tokens=40", "data.num_shards=2", "generation.backoff_base_s=0.01", "generation.backoff_max_s=0.05"]
+    base = [
+        f'run_dir="{tmp_path / "run"}"',
+        'data.source="self:prompts"',
+        "data.self_prompts.n=3",
+        "data.self_prompts.max_tokens=40",
+        "data.num_shards=2",
+        "generation.backoff_base_s=0.01",
+        "generation.backoff_max_s=0.05",
+    ]
     return load_config(DEMO_RECIPE, [*base, *sets])
 
 
@@ -103,8 +113,12 @@ def test_known_templates_give_their_turn_markers():
 def test_template_default_system_prompt_is_in_the_prefix_unless_one_is_given():
     tok = tokenizer("qwen3", CHATML_DEFAULT_SYSTEM)
     default, given = derive_all(tok, ["", "Be terse."], "chatml-model")
-    assert default.prefix == "<|im_start|>system\nYou are a helpful AI assistant named Tiny.<|im_end|>\n<|im_start|>user\n"
-    assert default.messages("Q?") == [{"role": "user", "content": "Q?"}]  # the template adds its default again when served
+    assert (
+        default.prefix == "<|im_start|>system\nYou are a helpful AI assistant named Tiny.<|im_end|>\n<|im_start|>user\n"
+    )
+    assert default.messages("Q?") == [
+        {"role": "user", "content": "Q?"}
+    ]  # the template adds its default again when served
     assert given.prefix == "<|im_start|>system\nBe terse.<|im_end|>\n<|im_start|>user\n"
     assert given.messages("Q?")[0] == {"role": "system", "content": "Be terse."}
     assert default.stop == given.stop == "<|im_end|>"
@@ -115,7 +129,11 @@ def test_templates_that_cannot_be_cut_are_config_errors_naming_the_model():
         derive(tokenizer("qwen3", REJECTS_SYSTEM), "a system prompt", "gemma-like")
     assert derive(tokenizer("qwen3", REJECTS_SYSTEM), None, "gemma-like").stop == "</u>"
     with pytest.raises(ConfigError, match="drops-content does not write the user message"):
-        derive(tokenizer("qwen3", "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% endfor %}"), None, "drops-content")
+        derive(
+            tokenizer("qwen3", "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% endfor %}"),
+            None,
+            "drops-content",
+        )
     with pytest.raises(ConfigError, match="open-ended writes nothing that ends a user turn"):
         derive(tokenizer("qwen3", "{% for m in messages %}{{ m['content'] }}{% endfor %}"), None, "open-ended")
 
@@ -125,8 +143,13 @@ def test_templates_that_cannot_be_cut_are_config_errors_naming_the_model():
 
 def test_near_duplicates_are_caught_and_different_requests_kept():
     kept = NearDuplicates(0.6)
-    texts = ["How do I reverse a list in Python?", "How can I reverse a list in Python?", "HOW DO I reverse a list   in python?",
-             "How do I sort a list in Python?", "Tell me a joke about penguins."]
+    texts = [
+        "How do I reverse a list in Python?",
+        "How can I reverse a list in Python?",
+        "HOW DO I reverse a list   in python?",
+        "How do I sort a list in Python?",
+        "Tell me a joke about penguins.",
+    ]
     verdicts = []
     for k, text in enumerate(texts):
         match, token = kept.check(text)
@@ -152,7 +175,11 @@ def test_filters_count_every_sample_with_a_reason(tmp_path):
     # request i, choice k answers SCRIPT[(3 i + k) % 11]: the first 4 requests hold one of each reason
     assert {r["kind"] for r in rejected} >= {"duplicate", "empty", "too_short", "near_duplicate", "too_long"}
     assert [m["messages"][0]["content"] for m in kept][:3] == [SCRIPT[0], SCRIPT[4], SCRIPT[7]]
-    assert all(r["kind"] == "surplus" for r in rejected if (r["request"], r["choice"]) > (kept[-1]["request"], kept[-1]["choice"]))
+    assert all(
+        r["kind"] == "surplus"
+        for r in rejected
+        if (r["request"], r["choice"]) > (kept[-1]["request"], kept[-1]["choice"])
+    )
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())["stages"]["self_prompts"]
     assert manifest["reasons"] == {k: sum(1 for r in rejected if r["kind"] == k) for k in manifest["reasons"]}
 
@@ -190,7 +217,9 @@ def test_system_prompts_cycle_and_are_kept_with_the_request(tmp_path):
     for row in kept:
         has_system = row["request"] % 2 == 1
         assert (row["messages"][0] == {"role": "system", "content": "You are a chef."}) == has_system
-    assert any("You are a chef." in key for key in prompts_seen) and any(key.startswith("<|im_start|>user") for key in prompts_seen)
+    assert any("You are a chef." in key for key in prompts_seen) and any(
+        key.startswith("<|im_start|>user") for key in prompts_seen
+    )
 
 
 def test_failed_requests_count_as_failed_and_past_the_threshold_stop_the_source(tmp_path):
@@ -200,7 +229,9 @@ def test_failed_requests_count_as_failed_and_past_the_threshold_stop_the_source(
     with run_fake_server(FakeConfig(completion_script=script, rules=[rule])) as srv:
         with pytest.raises(SelfPromptsError, match="failed.*max_failure_fraction"):
             asyncio.run(_collect(config(tmp_path / "a", *sets), srv.base_url))
-        entry = asyncio.run(_collect(config(tmp_path / "b", *sets, "generation.max_failure_fraction=1.0"), srv.base_url))
+        entry = asyncio.run(
+            _collect(config(tmp_path / "b", *sets, "generation.max_failure_fraction=1.0"), srv.base_url)
+        )
     assert entry["failed"] > 0 and entry["in"] == entry["ok"] + entry["filtered"] + entry["failed"]
     rejected = lines(tmp_path / "b" / "run" / "prompts" / "self" / "rejected.jsonl")
     failed = [r for r in rejected if r["kind"] == "request_failed"]
@@ -215,7 +246,13 @@ def test_transient_errors_are_retried_with_the_generation_policy(tmp_path):
         entry = asyncio.run(_collect(cfg, srv.base_url))
         seeds = srv.stats()["completion_seeds"]
     assert entry["failed"] == 0 and entry["ok"] == 5
-    raw = lines(tmp_path / "run" / "prompts" / "self" / next(p.name for p in (tmp_path / "run" / "prompts" / "self").glob("requests-*")))
+    raw = lines(
+        tmp_path
+        / "run"
+        / "prompts"
+        / "self"
+        / next(p.name for p in (tmp_path / "run" / "prompts" / "self").glob("requests-*"))
+    )
     assert all(r["attempts"] == 2 for r in raw) and all(seeds[str(r["seed"])] == 2 for r in raw)
 
 
@@ -246,8 +283,14 @@ def test_a_killed_run_resumes_without_duplicates_or_asking_again(tmp_path):
     fake = FakeConfig(completion_script=script, tokens_per_s=400)
     folder = tmp_path / "killed" / "run" / "prompts" / "self"
     with run_fake_server(fake, in_thread=False) as srv:
-        code = CHILD.format(tests=str(ROOT / "tests" / "unit"), tmp=str(tmp_path / "killed"), sets=sets, url=srv.base_url)
-        child = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}, start_new_session=True)
+        code = CHILD.format(
+            tests=str(ROOT / "tests" / "unit"), tmp=str(tmp_path / "killed"), sets=sets, url=srv.base_url
+        )
+        child = subprocess.Popen(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"},
+            start_new_session=True,
+        )
         deadline = time.monotonic() + 60
         while sum(len(lines(p)) for p in folder.glob("requests-*.jsonl")) < 10:
             assert child.poll() is None and time.monotonic() < deadline, "the child ended before it could be killed"
@@ -267,17 +310,25 @@ def test_a_killed_run_resumes_without_duplicates_or_asking_again(tmp_path):
     assert not asked_again & set(answered.values()), "a request answered before the kill was asked again"
     indices = [r["request"] for r in lines(raw)]
     assert len(indices) == len(set(indices)), "a request is on disk twice"
-    assert (folder / "prompts.jsonl").read_bytes() == (tmp_path / "whole" / "run" / "prompts" / "self" / "prompts.jsonl").read_bytes()
+    assert (folder / "prompts.jsonl").read_bytes() == (
+        tmp_path / "whole" / "run" / "prompts" / "self" / "prompts.jsonl"
+    ).read_bytes()
     assert resumed["ok"] == whole["ok"] == 150
-    assert asked_again and len(answered) < resumed["requests_judged"], "the kill came after the work was done: nothing resumed"
+    assert asked_again and len(answered) < resumed["requests_judged"], (
+        "the kill came after the work was done: nothing resumed"
+    )
 
 
 def test_changed_sampling_settings_start_a_new_request_file(tmp_path):
     with run_fake_server(FakeConfig(completion_script=SCRIPT)) as srv:
         asyncio.run(_collect(config(tmp_path, "data.self_prompts.count=4"), srv.base_url))
-        asyncio.run(_collect(config(tmp_path, "data.self_prompts.count=4", "data.self_prompts.temperature=0.7"), srv.base_url))
+        asyncio.run(
+            _collect(config(tmp_path, "data.self_prompts.count=4", "data.self_prompts.temperature=0.7"), srv.base_url)
+        )
         srv.reset_stats()
-        asyncio.run(_collect(config(tmp_path, "data.self_prompts.count=6"), srv.base_url))  # more prompts: reuses the first file
+        asyncio.run(
+            _collect(config(tmp_path, "data.self_prompts.count=6"), srv.base_url)
+        )  # more prompts: reuses the first file
         asked = {int(s) for s in srv.stats()["completion_seeds"]}
     files = sorted((tmp_path / "run" / "prompts" / "self").glob("requests-*.jsonl"))
     assert len(files) == 2
@@ -290,7 +341,10 @@ def test_marker_holds_across_concurrency_but_not_count(tmp_path):
         asyncio.run(_collect(cfg, srv.base_url))
     plan = make_plan(cfg)
     assert sp_mod.marker_current(cfg, plan) is not None
-    assert sp_mod.marker_current(config(tmp_path, "data.self_prompts.count=4", "data.self_prompts.concurrency=3"), plan) is not None
+    assert (
+        sp_mod.marker_current(config(tmp_path, "data.self_prompts.count=4", "data.self_prompts.concurrency=3"), plan)
+        is not None
+    )
     assert sp_mod.marker_current(config(tmp_path, "data.self_prompts.count=5"), plan) is None
     sp_mod.prompts_file(cfg.run_dir).write_text("{}\n")  # edited by hand: no longer what the marker vouches for
     assert sp_mod.marker_current(cfg, plan) is None

@@ -15,6 +15,8 @@ def test_a_lost_server_names_the_stage_it_served(folder, stage):
     config = load_config(None, ["server.max_restarts=2"])
     dead = SimpleNamespace(lost=RuntimeError("exit code -9"), restarts=2)
     serving = Serving(target=None, server=dead, stage=STAGE_OF_FOLDER[folder])
-    with pytest.raises(ServerLost, match=rf"^{stage}: the vLLM server kept exiting: server.max_restarts=2 .*exit code -9"):
+    with pytest.raises(
+        ServerLost, match=rf"^{stage}: the vLLM server kept exiting: server.max_restarts=2 .*exit code -9"
+    ):
         serving.raise_if_lost(config)
     Serving(target=None, server=SimpleNamespace(lost=None, restarts=0)).raise_if_lost(config)  # alive: nothing raised

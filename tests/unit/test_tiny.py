@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.tiny import BUILD_VERSION, build, build_tiny, ensure_tiny
-from eagle3.tiny import behaviour
+from eagle3.tiny import BUILD_VERSION, behaviour, build, build_tiny, ensure_tiny
 
 QWEN3_SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
 LLAMA_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|end_of_text|>"]
@@ -84,13 +83,21 @@ def file_bytes(path: Path) -> dict[str, bytes]:
 
 def test_two_builds_are_byte_identical(built, cached):
     a, b = file_bytes(built["qwen3"]), file_bytes(cached)
-    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-            "tokenizer_config.json", "chat_template.jinja"} <= set(a)
+    assert {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    } <= set(a)
     assert a.keys() == b.keys()
     assert [n for n in a if a[n] != b[n]] == []
 
 
-@pytest.mark.parametrize("arch,cls,eot", [("qwen3", "Qwen3ForCausalLM", "<|im_end|>"), ("llama", "LlamaForCausalLM", "<|eot_id|>")])
+@pytest.mark.parametrize(
+    "arch,cls,eot", [("qwen3", "Qwen3ForCausalLM", "<|im_end|>"), ("llama", "LlamaForCausalLM", "<|eot_id|>")]
+)
 def test_loads_with_auto_classes(built, arch, cls, eot):
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -112,15 +119,23 @@ def test_loads_with_auto_classes(built, arch, cls, eot):
 
 
 def test_unknown_arch_names_allowed_values(tmp_path):
-    for call in (lambda: build_tiny(tmp_path / "m", arch="mistral"), lambda: ensure_tiny("mistral", cache_dir=tmp_path)):
+    for call in (
+        lambda: build_tiny(tmp_path / "m", arch="mistral"),
+        lambda: ensure_tiny("mistral", cache_dir=tmp_path),
+    ):
         with pytest.raises(ValueError, match="llama, qwen3"):
             call()
     assert list(tmp_path.iterdir()) == []
 
 
 def test_import_is_cheap():
-    code = "import sys, eagle3.tiny; print(sorted(m for m in ('torch', 'transformers', 'tokenizers', 'prefect') if m in sys.modules))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=Path(__file__).parents[2])
+    code = (
+        "import sys, eagle3.tiny; print(sorted(m for m in ('torch', 'transformers', 'tokenizers', 'prefect') if m in "
+        "sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=Path(__file__).parents[2]
+    )
     assert out.stdout.strip() == "[]"
 
 
@@ -201,16 +216,20 @@ def test_special_and_think_tokens(built, arch, specials):
         assert len(ids) == 1 and tok.convert_ids_to_tokens(ids) == [t] and t in tok.all_special_tokens
     for t in ("<think>", "</think>"):
         assert len(tok.encode(t, add_special_tokens=False)) == 1 and t not in tok.all_special_tokens
-    ids = tok.encode("<think>\nhmm</think>ok<|im_end|>" if arch == "qwen3" else "<think>\nhmm</think>ok<|eot_id|>",
-                     add_special_tokens=False)
+    ids = tok.encode(
+        "<think>\nhmm</think>ok<|im_end|>" if arch == "qwen3" else "<think>\nhmm</think>ok<|eot_id|>",
+        add_special_tokens=False,
+    )
     assert tok.decode(ids, skip_special_tokens=True) == "<think>\nhmm</think>ok"
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_round_trip_mixed_text(built, arch):
     tok = load_tokenizer(built[arch])
-    text = ("Solve 3x + 5 = 20, i.e. $x = \\frac{15}{3}$.\n\n```python\ndef f(xs):\n    return [x ** 2 for x in xs]\n```\n"
-            "Café, naïve, 東京, emoji 🙂 and tabs\tend. <think>why</think> done")
+    text = (
+        "Solve 3x + 5 = 20, i.e. $x = \\frac{15}{3}$.\n\n```python\ndef f(xs):\n    return [x ** 2 for x in xs]\n```\n"
+        "Café, naïve, 東京, emoji 🙂 and tabs\tend. <think>why</think> done"
+    )
     ids = tok.encode(text, add_special_tokens=False)
     assert tok.decode(ids) == text
     # Common English, code and digits stay compact (not byte soup).
@@ -227,7 +246,9 @@ def test_qwen3_template_renders_exactly(built):
     assert full == history + "<|im_start|>assistant\n<think>\nAdd.\n</think>\n\n4<|im_end|>\n"
     prompt = tok.apply_chat_template(CONVERSATION[:4], tokenize=False, add_generation_prompt=True)
     assert prompt == history + "<|im_start|>assistant\n<think>\n"
-    no_think = tok.apply_chat_template(CONVERSATION[:4], tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    no_think = tok.apply_chat_template(
+        CONVERSATION[:4], tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
     assert no_think == history + "<|im_start|>assistant\n<think>\n\n</think>\n\n"
     # Reasoning inline in content is split out like Qwen3 does.
     inline = [CONVERSATION[1], {"role": "assistant", "content": "<think>\nAdd.\n</think>\n\n4"}]
@@ -238,9 +259,17 @@ def test_llama_template_renders_exactly(built):
     tok = load_tokenizer(built["llama"])
     head = "<|start_header_id|>{}<|end_header_id|>\n\n"
     expected = (
-        "<|begin_of_text|>" + head.format("system") + "You are terse.<|eot_id|>"
-        + head.format("user") + "Hi<|eot_id|>" + head.format("assistant") + "Hello!<|eot_id|>"
-        + head.format("user") + "2+2?<|eot_id|>" + head.format("assistant") + "4<|eot_id|>"
+        "<|begin_of_text|>"
+        + head.format("system")
+        + "You are terse.<|eot_id|>"
+        + head.format("user")
+        + "Hi<|eot_id|>"
+        + head.format("assistant")
+        + "Hello!<|eot_id|>"
+        + head.format("user")
+        + "2+2?<|eot_id|>"
+        + head.format("assistant")
+        + "4<|eot_id|>"
     )
     assert tok.apply_chat_template(CONVERSATION, tokenize=False) == expected
     prompt = tok.apply_chat_template(CONVERSATION[:4], tokenize=False, add_generation_prompt=True)
@@ -271,8 +300,9 @@ def test_assistant_mask_covers_exactly_the_assistant_text(built, arch, supervise
 @pytest.mark.parametrize("temperature", [0.6, 1.0])
 def test_samples_reason_then_answer_then_stop(qwen3_model, temperature):
     model, tok = qwen3_model
-    completions, stats = behaviour.measure(model, tok, per_prompt=10, prompts=behaviour.PROMPTS[:3],
-                                           temperature=temperature, top_p=0.95, max_tokens=256)
+    completions, stats = behaviour.measure(
+        model, tok, per_prompt=10, prompts=behaviour.PROMPTS[:3], temperature=temperature, top_p=0.95, max_tokens=256
+    )
     assert stats.samples == 30
     assert stats.stop_rate >= 0.8, stats
     assert stats.think_rate >= 0.7, stats

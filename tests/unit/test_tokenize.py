@@ -10,13 +10,18 @@ import pytest
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "tests" / "golden"))
-from tokenize_cases import CONVERSATIONS, TEMPLATES, render_all, tokenizer_for  # noqa: E402
-
 from eagle3.config import DEMO_RECIPE, load_config  # noqa: E402
 from eagle3.generate.records import JsonlAppender  # noqa: E402
 from eagle3.prepare.stage import run_prepare  # noqa: E402
 from eagle3.tokenize.build import from_template, render_ids  # noqa: E402
-from eagle3.tokenize.stage import TokenizeInputError, load_tokenizer, record, tokenize_shard, tokenizer_path  # noqa: E402
+from eagle3.tokenize.stage import (  # noqa: E402
+    TokenizeInputError,
+    load_tokenizer,
+    record,
+    tokenize_shard,
+    tokenizer_path,
+)
+from tokenize_cases import CONVERSATIONS, TEMPLATES, render_all, tokenizer_for  # noqa: E402
 
 SUPERVISED = {
     "tiny-qwen3/single": ["Two plus two is four.\n</think>\n\n4<|im_end|>"],
@@ -55,6 +60,7 @@ def test_mask_covers_exactly_the_assistant_text(template, conv):
 
 # ----------------------------------------------------------------------------- the stage
 
+
 def reply(tok, reasoning, content):
     ids = tok.encode(f"{reasoning}\n</think>\n\n{content}", add_special_tokens=False)
     return ids + [tok.convert_tokens_to_ids("<|im_end|>")]
@@ -64,7 +70,9 @@ def make_run(tmp_path, records_for, *sets, prompts=None):
     prompts = prompts or [f"question number {i}?" for i in range(6)]
     src = tmp_path / "p.jsonl"
     src.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": p}]}) + "\n" for p in prompts))
-    config = load_config(DEMO_RECIPE, [f'run_dir="{tmp_path / "run"}"', f'data.source="{src}"', "data.num_shards=1", *sets])
+    config = load_config(
+        DEMO_RECIPE, [f'run_dir="{tmp_path / "run"}"', f'data.source="{src}"', "data.num_shards=1", *sets]
+    )
     run_prepare(config)
     table = pq.read_table(Path(config.run_dir) / "prompts" / "shard-00000.parquet").to_pylist()
     tok = load_tokenizer(tokenizer_path(config))
@@ -80,9 +88,15 @@ def make_run(tmp_path, records_for, *sets, prompts=None):
 
 def server_record(k, row, tok, **extra):
     reasoning, content = f"Let me think about item {k}.", f"The answer is {k}."
-    return {"id": row["id"], "prompt_token_ids": render_ids(tok, row["messages"], add_generation_prompt=True),
-            "completion_token_ids": reply(tok, reasoning, content), "reasoning": reasoning, "content": content,
-            "finish_reason": "stop", **extra}
+    return {
+        "id": row["id"],
+        "prompt_token_ids": render_ids(tok, row["messages"], add_generation_prompt=True),
+        "completion_token_ids": reply(tok, reasoning, content),
+        "reasoning": reasoning,
+        "content": content,
+        "finish_reason": "stop",
+        **extra,
+    }
 
 
 def read_rows(config):
@@ -98,7 +112,10 @@ def test_server_ids_path_masks_exactly_the_completion(tmp_path):
     config, tok, table = make_run(tmp_path, lambda k, row, tok: [server_record(k, row, tok)])
     result = run_stage(config, tok)
     assert (result.in_, result.ok, result.filtered) == (6, 6, 0)
-    records = {json.loads(x)["id"]: json.loads(x) for x in (Path(config.run_dir) / "generations" / "shard-00000.jsonl").read_text().splitlines()}
+    records = {
+        json.loads(x)["id"]: json.loads(x)
+        for x in (Path(config.run_dir) / "generations" / "shard-00000.jsonl").read_text().splitlines()
+    }
     for row in read_rows(config):
         rec = records[row["id"]]
         assert row["input_ids"] == rec["prompt_token_ids"] + rec["completion_token_ids"]
@@ -141,7 +158,9 @@ def test_truncate_and_drop(tmp_path):
     truncated = run_stage(config, tok)
     assert truncated.ok == 6 and truncated.truncated == 6
     assert all(len(r["input_ids"]) == 20 and r["truncated"] and 0 < r["num_supervised"] < 20 for r in read_rows(config))
-    dropped = run_stage(config.model_copy(update={"tokenize": config.tokenize.model_copy(update={"overflow": "drop"})}), tok)
+    dropped = run_stage(
+        config.model_copy(update={"tokenize": config.tokenize.model_copy(update={"overflow": "drop"})}), tok
+    )
     assert (dropped.ok, dropped.filtered, dropped.reasons) == (0, 6, {"too_long": 6})
     prompt_len = len(render_ids(tok, table[0]["messages"], add_generation_prompt=True))
     short = config.model_copy(update={"tokenize": config.tokenize.model_copy(update={"max_seq_len": prompt_len - 1})})
@@ -167,7 +186,10 @@ def test_malformed_records_are_filtered_with_reasons(tmp_path):
     result = run_stage(config, tok)
     assert result.in_ == 7 and result.in_ == result.ok + result.filtered
     assert result.reasons == {"bad_record": 2, "unknown_id": 1, "duplicate": 1, "empty_completion": 1}
-    rejected = [json.loads(x) for x in (Path(config.run_dir) / "tokenized" / "shard-00000.rejected.jsonl").read_text().splitlines()]
+    rejected = [
+        json.loads(x)
+        for x in (Path(config.run_dir) / "tokenized" / "shard-00000.rejected.jsonl").read_text().splitlines()
+    ]
     assert len(rejected) == 5 and all(r["reason"] for r in rejected)
     assert any("outside the tokenizer's vocabulary" in r["reason"] for r in rejected)
 
@@ -179,7 +201,9 @@ def test_rerun_is_skipped_and_settings_change_rebuilds(tmp_path):
     mtime = parquet.stat().st_mtime_ns
     again = run_stage(config, tok)
     assert again.skipped and not first.skipped and parquet.stat().st_mtime_ns == mtime
-    changed = run_stage(config.model_copy(update={"tokenize": config.tokenize.model_copy(update={"max_seq_len": 30})}), tok)
+    changed = run_stage(
+        config.model_copy(update={"tokenize": config.tokenize.model_copy(update={"max_seq_len": 30})}), tok
+    )
     assert not changed.skipped and changed.truncated == 6
 
 
@@ -235,7 +259,10 @@ def test_a_full_disk_gives_a_clear_error_and_no_complete_looking_shard(tmp_path,
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(pq.ParquetWriter, "write_table", full)
-    with pytest.raises(DiskWriteError, match=r"tokenize: writing .*tokenized/shard-00000.parquet failed: No space left on device; .* GiB free there"):
+    with pytest.raises(
+        DiskWriteError,
+        match=r"tokenize: writing .*tokenized/shard-00000.parquet failed: No space left on device; .* GiB free there",
+    ):
         run_stage(config, tok)
     out = Path(config.run_dir) / "tokenized"
     assert not (out / "shard-00000.done.json").exists() and not (out / "shard-00000.parquet").exists()
@@ -247,14 +274,23 @@ def test_a_full_disk_gives_a_clear_error_and_no_complete_looking_shard(tmp_path,
 def test_records_from_another_model_are_refused_by_name(tmp_path):
     config, tok, _ = make_run(tmp_path, lambda k, row, tok: [server_record(k, row, tok)])
     gen = Path(config.run_dir) / "generations"
-    (gen / "shard-00000.meta.json").write_text(json.dumps({"key": "0123456789abcdef", "model": "someone/other-model", "sampling": {"temperature": 1.0}}))
+    (gen / "shard-00000.meta.json").write_text(
+        json.dumps({"key": "0123456789abcdef", "model": "someone/other-model", "sampling": {"temperature": 1.0}})
+    )
     (gen / "shard-00000.done.json").write_text(json.dumps({"key": "0123456789abcdef"}))
-    with pytest.raises(TokenizeInputError, match=r"made by model 'someone/other-model' .* but the config asks for model .*tiny-qwen3.*run `eagle3 generate`"):
+    with pytest.raises(
+        TokenizeInputError,
+        match=(
+            r"made by model 'someone/other-model' .* but the config asks for model .*tiny-qwen3.*run `eagle3 "
+            r"generate`"
+        ),
+    ):
         run_stage(config, tok)
     assert not (Path(config.run_dir) / "tokenized" / "shard-00000.done.json").exists()
 
 
 # ----------------------------------------------------------------------------- plain-Python renderers
+
 
 def random_conversations(seed: int, n: int, ascii_only: bool = False) -> list[list[dict]]:
     """Varied conversations in the shape the stage renders: edge whitespace, think tags inside
@@ -262,9 +298,33 @@ def random_conversations(seed: int, n: int, ascii_only: bool = False) -> list[li
     import random
 
     rng = random.Random(seed)
-    bits = ["word", " ", "\n", "\n\n", "\t", "\u00a0", "\u2003", "</think>", "<think>", "é", "🙂", "<|im_end|>", "  x  ", "2+2", ""]
+    bits = [
+        "word",
+        " ",
+        "\n",
+        "\n\n",
+        "\t",
+        "\u00a0",
+        "\u2003",
+        "</think>",
+        "<think>",
+        "é",
+        "🙂",
+        "<|im_end|>",
+        "  x  ",
+        "2+2",
+        "",
+    ]
     if ascii_only:
-        bits = [b for b in bits if b.isascii()] + [" it's", "don't", "  \n ", "123456", "a.b,c!", "<|im_start|>", "<|eot_id|>"]
+        bits = [b for b in bits if b.isascii()] + [
+            " it's",
+            "don't",
+            "  \n ",
+            "123456",
+            "a.b,c!",
+            "<|im_start|>",
+            "<|eot_id|>",
+        ]
 
     def text():
         return "".join(rng.choice(bits) for _ in range(rng.randint(0, 8)))
@@ -293,20 +353,27 @@ def test_plain_renderers_equal_jinja_on_varied_conversations(template):
 
     tok = tokenizer_for(template)
     render = renderers.renderer_for(tok.chat_template)
-    assert render is not None, "the shipped template has a renderer: an edited template needs its renderer (and hash) reviewed"
+    assert render is not None, (
+        "the shipped template has a renderer: an edited template needs its renderer (and hash) reviewed"
+    )
     convs = random_conversations(7, 600) + list(CONVERSATIONS.values())
-    texts, spans = render_jinja_template(convs, chat_template=tok.chat_template, return_assistant_tokens_mask=True, **tok.special_tokens_map)
+    texts, spans = render_jinja_template(
+        convs, chat_template=tok.chat_template, return_assistant_tokens_mask=True, **tok.special_tokens_map
+    )
     for conv, text, sp in zip(convs, texts, spans):
         assert render(conv, tok.special_tokens_map) == (text, sp), conv
 
 
-@pytest.mark.parametrize("conv", [
-    [{"role": "tool", "content": "x"}, {"role": "assistant", "content": "y"}],
-    [{"role": "user", "content": [{"type": "text", "text": "x"}]}, {"role": "assistant", "content": "y"}],
-    [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "reasoning": "z"}],
-    [{"role": "user", "content": "x"}, {"role": "assistant", "content": None}],
-    [{"role": "narrator", "content": "x"}],
-])
+@pytest.mark.parametrize(
+    "conv",
+    [
+        [{"role": "tool", "content": "x"}, {"role": "assistant", "content": "y"}],
+        [{"role": "user", "content": [{"type": "text", "text": "x"}]}, {"role": "assistant", "content": "y"}],
+        [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "reasoning": "z"}],
+        [{"role": "user", "content": "x"}, {"role": "assistant", "content": None}],
+        [{"role": "narrator", "content": "x"}],
+    ],
+)
 def test_plain_renderers_leave_other_shapes_to_jinja(conv):
     from eagle3.tokenize import renderers
 
@@ -341,11 +408,14 @@ def test_a_renderer_that_drifts_from_its_template_stops_the_batch(monkeypatch):
         return text.replace("Answer", "answer"), spans
 
     monkeypatch.setitem(renderers.RENDERERS, key, drifted)
-    with pytest.raises(renderers.RenderMismatch, match=r"disagrees with jinja on conversation 0 .*text differs at char \d+: .*'answer"):
+    with pytest.raises(
+        renderers.RenderMismatch, match=r"disagrees with jinja on conversation 0 .*text differs at char \d+: .*'answer"
+    ):
         build.from_template_batch(tok, [CONVERSATIONS["single"]] * 3)
 
 
 # ----------------------------------------------------------------------------- masks from token lengths
+
 
 @pytest.mark.parametrize("template", ["tiny-qwen3", "tiny-llama"])
 def test_masks_from_token_lengths_equal_masks_from_offsets(template, monkeypatch):
@@ -365,13 +435,16 @@ def test_masks_from_token_lengths_equal_masks_from_offsets(template, monkeypatch
         assert a.input_ids.tolist() == b.input_ids.tolist() and a.loss_mask.tolist() == b.loss_mask.tolist()
 
 
-@pytest.mark.parametrize("change", [
-    {"normalizer": {"type": "Lowercase"}},
-    {"pre_tokenizer": {"type": "Whitespace"}},
-    {"pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}},
-    {"post_processor": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}},
-    "lstrip",
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"normalizer": {"type": "Lowercase"}},
+        {"pre_tokenizer": {"type": "Whitespace"}},
+        {"pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}},
+        {"post_processor": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}},
+        "lstrip",
+    ],
+)
 def test_tokenizers_whose_ids_do_not_place_tokens_keep_offsets(change):
     from tokenizers import Tokenizer
 
@@ -393,7 +466,9 @@ def test_a_length_mask_that_disagrees_with_offsets_stops_the_batch(monkeypatch):
     tok = tokenizer_for("tiny-qwen3")
     real = offset_free.masks
     monkeypatch.setattr(offset_free, "masks", lambda *a: [np.roll(m, 1) for m in real(*a)])
-    with pytest.raises(offset_free.MaskMismatch, match=r"conversation 0 of the batch: ids or mask from token lengths differ"):
+    with pytest.raises(
+        offset_free.MaskMismatch, match=r"conversation 0 of the batch: ids or mask from token lengths differ"
+    ):
         build.from_template_batch(tok, [CONVERSATIONS["single"]] * 3)
 
 
@@ -417,7 +492,11 @@ def test_stage_output_is_byte_identical_with_or_without_the_fast_paths(tmp_path,
     def outputs():
         shutil.rmtree(out, ignore_errors=True)
         result = run_stage(config, tok)
-        return result, {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in out.iterdir() if not f.name.endswith("done.json")}
+        return result, {
+            f.name: hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in out.iterdir()
+            if not f.name.endswith("done.json")
+        }
 
     monkeypatch.setattr(stage, "CHUNK_CHARS", 64)  # many small chunks, two encoding at once
     monkeypatch.setattr(stage, "ROW_GROUP_TOKENS", 500)  # several row groups written while encoding goes on
@@ -427,4 +506,8 @@ def test_stage_output_is_byte_identical_with_or_without_the_fast_paths(tmp_path,
     monkeypatch.setattr(build, "OFFSET_FREE", False)
     slow = outputs()
     assert fast == slow
-    assert fast[0].ok == 40 and fast[0].reasons == {"duplicate": 1} and len(pq.ParquetFile(out / "shard-00000.parquet").metadata.to_dict()["row_groups"]) > 1
+    assert (
+        fast[0].ok == 40
+        and fast[0].reasons == {"duplicate": 1}
+        and len(pq.ParquetFile(out / "shard-00000.parquet").metadata.to_dict()["row_groups"]) > 1
+    )

@@ -14,14 +14,26 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT
 
+from conftest import ROOT
 from eagle3.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3.train.loss import target_view, ttt_loss
 
-SMALL = DrafterConfig(arch="qwen3", hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                      rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256, vocab_size=50, draft_vocab_size=50,
-                      target_hidden_size=32, aux_layer_ids=[1, 2, 3])
+SMALL = DrafterConfig(
+    arch="qwen3",
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    max_position_embeddings=256,
+    vocab_size=50,
+    draft_vocab_size=50,
+    target_hidden_size=32,
+    aux_layer_ids=[1, 2, 3],
+)
 
 
 def small_model(arch="qwen3", seed=0) -> Eagle3Drafter:
@@ -34,27 +46,31 @@ def small_model(arch="qwen3", seed=0) -> Eagle3Drafter:
     return model.eval()
 
 
-def serve_reference(model: Eagle3Drafter, ids: torch.Tensor, aux: torch.Tensor, t: int, steps: int) -> list[torch.Tensor]:
+def serve_reference(
+    model: Eagle3Drafter, ids: torch.Tensor, aux: torch.Tensor, t: int, steps: int
+) -> list[torch.Tensor]:
     """What a serving engine computes when drafting ``steps`` tokens after position t: a cache
     of step-0 entries for positions 0..t, then one new entry per drafted token at positions t+1,
     t+2, ..., each attending to everything in the cache so far. Plain loops, no masks."""
     layer, attn, c = model.midlayer, model.midlayer.self_attn, model.config
     keys, values = [], []
     hidden = model.fc(aux[: t + 1])
-    x, residual = layer.attn_input(model.embed_tokens(ids[1: t + 2]), hidden)
+    x, residual = layer.attn_input(model.embed_tokens(ids[1 : t + 2]), hidden)
     q, k, v = attn.qkv(x[None], torch.arange(t + 1))
     outs = []
     for s in range(t + 1):  # the prefix (step 0 at every position up to t)
         keys.append(k[0, :, s]), values.append(v[0, :, s])
+
     def attend(query):
         K, V = torch.stack(keys, 1), torch.stack(values, 1)  # [h, n, d]
-        w = torch.softmax((query[:, None, :] * K).sum(-1) / c.head_dim ** 0.5, dim=-1)
+        w = torch.softmax((query[:, None, :] * K).sum(-1) / c.head_dim**0.5, dim=-1)
         return (w[..., None] * V).sum(1)
+
     o = attn.o_proj(attend(q[0, :, t]).reshape(-1))
     h = layer.after_attention(o, residual[t])
     outs.append(model.lm_head(model.norm(h)))
     for step in range(1, steps):
-        x, residual = layer.attn_input(model.embed_tokens(ids[t + 1 + step: t + 2 + step]), h[None])
+        x, residual = layer.attn_input(model.embed_tokens(ids[t + 1 + step : t + 2 + step]), h[None])
         q, k, v = attn.qkv(x[None], torch.tensor([t + step]))
         keys.append(k[0, :, 0]), values.append(v[0, :, 0])
         o = attn.o_proj(attend(q[0, :, 0]).reshape(-1))
@@ -77,7 +93,9 @@ def test_ttt_steps_equal_step_by_step_drafting(arch):
         for b, t in ((0, 0), (0, 5), (0, 7), (1, 3), (1, 4)):  # t + K + 1 stays inside row b's real tokens
             ref = serve_reference(model, ids[b], aux[b], t, K)
             for k in range(K):
-                torch.testing.assert_close(logits[k][b, t], ref[k], rtol=1e-4, atol=1e-4, msg=lambda m: f"step {k} position {t}: {m}")
+                torch.testing.assert_close(
+                    logits[k][b, t], ref[k], rtol=1e-4, atol=1e-4, msg=lambda m: f"step {k} position {t}: {m}"
+                )
 
 
 def test_ttt_never_reads_the_future():
@@ -107,7 +125,7 @@ def test_loss_equals_a_direct_computation():
     d2t = torch.zeros(D, dtype=torch.long)
     with torch.no_grad():
         logits = model.ttt_logits(ids, aux, valid, K)
-    counts = [int(mask[:, 2 + k:].sum()) for k in range(K)]
+    counts = [int(mask[:, 2 + k :].sum()) for k in range(K)]
     loss, stats = ttt_loss(logits, target_view(target_logits, d2t, t2d), mask, d2t, 0.8, counts)
     expected = 0.0
     for k in range(K):
@@ -119,24 +137,34 @@ def test_loss_equals_a_direct_computation():
                     continue
                 p = torch.softmax(target_logits[b, src], -1)
                 total += float(-(p * F.log_softmax(logits[k][b, t], -1)).sum())
-        expected += 0.8 ** k * total / counts[k]
+        expected += 0.8**k * total / counts[k]
     assert abs(float(loss) - expected) < 1e-4 * max(1.0, expected)
     assert stats["positions"][0] == counts[0] and stats["counted"][0] < stats["positions"][0] + 1
 
 
 # --- training runs on a small run directory ----------------------------------------------------
 
+
 def make_train_run(tmp_path: Path, *sets: str, identity_vocab: bool = True):
     """A run dir with extracted states; the identity draft vocabulary unless ``identity_vocab=False``
     (then the caller runs the vocab stage on the token counts written here)."""
-    from hidden_runs import make_run
     from safetensors.numpy import save_file
 
     from eagle3.hidden.stage import extract_shard, plan, record
+    from hidden_runs import make_run
 
     lengths = tuple(range(20, 60, 3))  # 14 samples per shard
-    config, names = make_run(tmp_path, (lengths, lengths[::-1]), "train.batch_tokens=120", "train.ttt_steps=3", "train.eval_fraction=0.15",
-                             "train.epochs=2", "train.learning_rate=3e-3", "train.save_every_steps=2", *sets)
+    config, names = make_run(
+        tmp_path,
+        (lengths, lengths[::-1]),
+        "train.batch_tokens=120",
+        "train.ttt_steps=3",
+        "train.eval_fraction=0.15",
+        "train.epochs=2",
+        "train.learning_rate=3e-3",
+        "train.save_every_steps=2",
+        *sets,
+    )
     the_plan = plan(config, names)
     record(config, [extract_shard(config, s, the_plan) for s in names], the_plan)
     run = Path(config.run_dir)
@@ -145,11 +173,19 @@ def make_train_run(tmp_path: Path, *sets: str, identity_vocab: bool = True):
 
         for name in names:  # supervised-token counts per shard, as the tokenize stage writes them
             table = pq.read_table(run / "tokenized" / name).to_pydict()
-            ids = np.concatenate([np.asarray(x)[np.asarray(m, dtype=bool)] for x, m in zip(table["input_ids"], table["loss_mask"])])
-            save_file({"counts": np.bincount(ids, minlength=4096).astype(np.int64)}, str(run / "tokenized" / f"{Path(name).stem}.counts.safetensors"))
+            ids = np.concatenate(
+                [np.asarray(x)[np.asarray(m, dtype=bool)] for x, m in zip(table["input_ids"], table["loss_mask"])]
+            )
+            save_file(
+                {"counts": np.bincount(ids, minlength=4096).astype(np.int64)},
+                str(run / "tokenized" / f"{Path(name).stem}.counts.safetensors"),
+            )
         return config, names
     (run / "vocab").mkdir()
-    save_file({"d2t": np.zeros(4096, dtype=np.int64), "t2d": np.ones(4096, dtype=bool)}, str(run / "vocab" / "draft_vocab.safetensors"))
+    save_file(
+        {"d2t": np.zeros(4096, dtype=np.int64), "t2d": np.ones(4096, dtype=bool)},
+        str(run / "vocab" / "draft_vocab.safetensors"),
+    )
     return config, names
 
 
@@ -164,8 +200,16 @@ def torchrun(config, names, nproc: int, env_extra=None, background=False, own_po
 
     run = Path(config.run_dir)
     request = run / "train" / "request.json"
-    atomic_write_json(request, {"config": json.loads(config.model_dump_json()), "shards": names, "model_path": resolve_model(config.server.model),
-                                "layer_ids": [1, 2, 3], "result_path": str(run / "train" / "result.json")})
+    atomic_write_json(
+        request,
+        {
+            "config": json.loads(config.model_dump_json()),
+            "shards": names,
+            "model_path": resolve_model(config.server.model),
+            "layer_ids": [1, 2, 3],
+            "result_path": str(run / "train" / "result.json"),
+        },
+    )
     update = {"nproc_per_node": nproc}
     if own_port:
         update["rdzv_endpoint"] = f"127.0.0.1:{29600 + os.getpid() % 300 + nproc}"
@@ -174,7 +218,9 @@ def torchrun(config, names, nproc: int, env_extra=None, background=False, own_po
     argv[0] = sys.executable
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
     if background:
-        return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        return subprocess.Popen(
+            argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
     out = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out
@@ -251,7 +297,11 @@ def test_two_runs_on_one_machine_train_at_once(tmp_path):
     assert codes == [0, 0], codes
     for config, _ in runs:
         run = Path(config.run_dir)
-        assert json.loads((run / "train" / "result.json").read_text())["steps"] == len(lines(run / "train" / "log.jsonl")) > 0
+        assert (
+            json.loads((run / "train" / "result.json").read_text())["steps"]
+            == len(lines(run / "train" / "log.jsonl"))
+            > 0
+        )
 
 
 def test_torchrun_gets_the_multi_node_settings():
@@ -259,7 +309,12 @@ def test_torchrun_gets_the_multi_node_settings():
     from eagle3.train.stage import torchrun_argv
 
     one = torchrun_argv(load_config(DEMO_RECIPE, []), Path("/r/request.json"))
-    assert "--nproc-per-node=1" in one and "--nnodes=1" in one and "--standalone" in one and one[-3:] == ["-m", "eagle3.train.worker", "/r/request.json"]
+    assert (
+        "--nproc-per-node=1" in one
+        and "--nnodes=1" in one
+        and "--standalone" in one
+        and one[-3:] == ["-m", "eagle3.train.worker", "/r/request.json"]
+    )
     assert not any(a.startswith(("--master-port", "--rdzv-endpoint")) for a in one), one
     fixed = torchrun_argv(load_config(DEMO_RECIPE, ['train.rdzv_endpoint="127.0.0.1:29555"']), Path("/r/request.json"))
     assert "--master-addr=127.0.0.1" in fixed and "--master-port=29555" in fixed and "--standalone" not in fixed
@@ -267,11 +322,31 @@ def test_torchrun_gets_the_multi_node_settings():
         load_config(DEMO_RECIPE, ["train.nnodes=2"])
     with pytest.raises(ConfigError, match="node_rank=2 must be below train.nnodes=2"):
         load_config(DEMO_RECIPE, ["train.nnodes=2", "train.node_rank=2", 'train.rdzv_endpoint="node0:29400"'])
-    either_order = load_config(DEMO_RECIPE, ['train.rdzv_endpoint="node0:29400"', "train.nnodes=2", "train.node_rank=1"])
+    either_order = load_config(
+        DEMO_RECIPE, ['train.rdzv_endpoint="node0:29400"', "train.nnodes=2", "train.node_rank=1"]
+    )
     assert either_order.train.nnodes == 2 and either_order.train.node_rank == 1
-    many = torchrun_argv(load_config(DEMO_RECIPE, ["train.nnodes=4", "train.node_rank=2", "train.nproc_per_node=8", 'train.rdzv_endpoint="node0:29400"',
-                                            'train.rdzv_id="job7"']), Path("/r/request.json"))
-    for flag in ("--nproc-per-node=8", "--nnodes=4", "--node-rank=2", "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29400", "--rdzv-id=job7"):
+    many = torchrun_argv(
+        load_config(
+            DEMO_RECIPE,
+            [
+                "train.nnodes=4",
+                "train.node_rank=2",
+                "train.nproc_per_node=8",
+                'train.rdzv_endpoint="node0:29400"',
+                'train.rdzv_id="job7"',
+            ],
+        ),
+        Path("/r/request.json"),
+    )
+    for flag in (
+        "--nproc-per-node=8",
+        "--nnodes=4",
+        "--node-rank=2",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=node0:29400",
+        "--rdzv-id=job7",
+    ):
         assert flag in many, (flag, many)
 
 
@@ -306,8 +381,7 @@ def test_a_reduced_draft_vocabulary_from_the_counts_to_the_export(tmp_path):
     from eagle3.tokenize.stage import load_tokenizer, tokenizer_path
     from eagle3.train.target import load_target_head
     from eagle3.train.trainer import Dist, Trainer
-    from eagle3.vocab import load as load_vocab
-    from eagle3.vocab import must_keep
+    from eagle3.vocab import load as load_vocab, must_keep
     from eagle3.vocab_stage import run_vocab
 
     D = 1024
@@ -319,10 +393,14 @@ def test_a_reduced_draft_vocabulary_from_the_counts_to_the_export(tmp_path):
     d2t, t2d = load_vocab(run / "vocab" / "draft_vocab.safetensors")
     chosen = np.arange(D) + d2t
     assert np.flatnonzero(t2d).tolist() == chosen.tolist(), "t2d is true exactly at the chosen ids"
-    counts = sum(load_file(str(run / "tokenized" / f"{Path(n).stem}.counts.safetensors"))["counts"].numpy() for n in names)
+    counts = sum(
+        load_file(str(run / "tokenized" / f"{Path(n).stem}.counts.safetensors"))["counts"].numpy() for n in names
+    )
     keep = must_keep(load_tokenizer(tokenizer_path(config)))
     free = sorted(set(chosen.tolist()) - set(keep))
-    assert set(keep) <= set(chosen.tolist()) and counts[free].min() >= counts[~t2d].max(), "kept ids plus the most frequent"
+    assert set(keep) <= set(chosen.tolist()) and counts[free].min() >= counts[~t2d].max(), (
+        "kept ids plus the most frequent"
+    )
 
     trainer = Trainer(config, names, target, [1, 2, 3], Dist(), log=lambda m: None)
     trainer.save()  # step 0: the drafter as initialised from the target
@@ -333,7 +411,9 @@ def test_a_reduced_draft_vocabulary_from_the_counts_to_the_export(tmp_path):
     trained = Path(json.loads((run / "checkpoints" / "latest.json").read_text())["path"])
     assert trained != initial
     for ckpt in (initial, trained):
-        for layout, folder in export_checkpoint(ckpt, target, tmp_path / "export" / ckpt.name, ["vllm", "speculators"]).items():
+        for layout, folder in export_checkpoint(
+            ckpt, target, tmp_path / "export" / ckpt.name, ["vllm", "speculators"]
+        ).items():
             assert validate_export(folder, layout, target) == [], (ckpt.name, layout)
             t = load_file(str(folder / "model.safetensors"))
             assert torch.equal(torch.arange(D) + t["d2t"], ids), (ckpt.name, layout)
