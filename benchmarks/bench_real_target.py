@@ -196,6 +196,12 @@ def main() -> None:
                 "acceptance_length_ngram",
                 "speedup_vs_none",
                 "speedup_vs_ngram",
+                # with *_compiled methods measured: the faster trained server over the faster baseline
+                "speedup_fastest_vs_fastest_none",
+                "speedup_fastest_vs_fastest_ngram",
+                "fastest_trained_method",
+                "fastest_none_method",
+                "fastest_ngram_method",
                 "decode_tokens_per_s",
                 "prompt_set",
                 "temperature",

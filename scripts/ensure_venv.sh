@@ -12,7 +12,7 @@
 # torch comes from the CPU wheel on disk when there is one (TORCH_WHEEL, else
 # /opt/wheels/torch-$TORCH_VERSION+cpu-*.whl), else from PyTorch's CPU index -- never the
 # multi-GB CUDA build that plain `pip install torch` takes from PyPI. GPU machines: see
-# the README ("GPU machines") for the pip lines to use instead.
+# docs/environments.md ("GPU machines") for the pip lines to use instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -22,9 +22,9 @@ Design choices:
   raw counters are recorded and the decode-rate speed-up is the headline.
 - At temperature 0 every method must produce the target's greedy answer (speculative
   decoding is lossless): each visit's token ids are compared with the reference method's
-  (``none`` when measured) and the counts of identical answers are recorded. At concurrency
-  above 1 batched kernels may legitimately flip near-tied tokens, so that check is reported,
-  not enforced.
+  (``none`` when measured; ``none_compiled`` for a compiled method) and the counts of identical
+  answers are recorded. At concurrency above 1 batched kernels may legitimately flip near-tied
+  tokens, and compiled kernels differ from eager ones, so that check is reported, not enforced.
 """
 
 from __future__ import annotations
@@ -277,13 +277,23 @@ def _greedy(visits: list[dict], reference: dict[tuple, list]) -> dict:
     return {"greedy_identical": identical, "greedy_compared": compared}
 
 
+def greedy_reference(method: str, methods: list[str]) -> str:
+    """The method whose greedy answers ``method``'s must equal: no speculation in the same graph mode
+    (compiled and eager kernels may legitimately flip near-tied tokens), else plain ``none``, else the first."""
+    if servers.is_compiled(method) and "none_compiled" in methods:
+        return "none_compiled"
+    return "none" if "none" in methods else methods[0]
+
+
 def pool_cells(visits: list[dict], methods: list[str]) -> list[dict]:
     """Cells in (prompt set, temperature, concurrency, method) order, with speed-ups and the greedy check."""
-    ref_method = "none" if "none" in methods else methods[0]
-    reference = {
-        (v["prompt_set"], v["temperature"], v["concurrency"]): v["token_ids"]
-        for v in visits
-        if v["method"] == ref_method and v["round"] == 0 and v["temperature"] == 0
+    references = {
+        ref: {
+            (v["prompt_set"], v["temperature"], v["concurrency"]): v["token_ids"]
+            for v in visits
+            if v["method"] == ref and v["round"] == 0 and v["temperature"] == 0
+        }
+        for ref in {greedy_reference(m, methods) for m in methods}
     }
     keys = list(dict.fromkeys((v["prompt_set"], v["temperature"], v["concurrency"]) for v in visits))
     cells = []
@@ -300,7 +310,8 @@ def pool_cells(visits: list[dict], methods: list[str]) -> list[dict]:
                     "temperature": key[1],
                     "concurrency": key[2],
                     **pool_cell(m, mine),
-                    **(_greedy(mine, reference) if key[1] == 0 else {}),
+                    **(_greedy(mine, references[greedy_reference(m, methods)]) if key[1] == 0 else {}),
+                    **({"greedy_reference": greedy_reference(m, methods)} if key[1] == 0 else {}),
                 }
         for cell in group.values():
             rate = cell["decode_tokens_per_s"]

@@ -74,7 +74,8 @@ def markdown_table(doc: dict) -> str:
         "",
         "Acceptance length = 1 + accepted / drafts from vLLM's counters. n-gram's counters count only the steps "
         "where it proposed tokens, so compare speed-ups, not its acceptance length. Greedy identical: answers at "
-        "T=0 equal to the reference method's (none when measured), over all rounds.",
+        "T=0 equal to the reference method's (none when measured; none_compiled for a *_compiled method), "
+        "over all rounds.",
     ]
     head = doc.get("headline") or {}
     if head.get("speedup_fastest_vs_fastest_none") is not None:

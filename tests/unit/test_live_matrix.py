@@ -317,10 +317,10 @@ def test_compiled_variants_serve_without_enforce_eager_and_the_headline_divides_
     # none 5 tok/s eager, 8 compiled; trained 20 eager, 16 compiled; n-gram eager only (10)
     visits = [
         _visit("none", 0, None, 21, 4.0, [1]),
-        _visit("none_compiled", 0, None, 21, 2.5, [1]),
+        _visit("none_compiled", 0, None, 21, 2.5, [2]),
         _visit("ngram", 0, _raw(2, 4, [2, 1, 1]), 21, 2.0, [1]),
         _visit("trained", 0, _raw(8, 8, [5, 2, 1]), 21, 1.0, [1]),
-        _visit("trained_compiled", 0, _raw(8, 8, [5, 2, 1]), 21, 1.25, [1]),
+        _visit("trained_compiled", 0, _raw(8, 8, [5, 2, 1]), 21, 1.25, [2]),
     ]
     methods = ["none", "none_compiled", "ngram", "trained", "trained_compiled"]
     cells = {c["method"]: c for c in matrix.pool_cells(visits, methods)}
@@ -331,7 +331,12 @@ def test_compiled_variants_serve_without_enforce_eager_and_the_headline_divides_
     assert cells["trained"]["speedup_vs_none"] == pytest.approx(4.0)
     assert cells["trained"]["speedup_vs_fastest_none"] == pytest.approx(20 / 8)
     assert cells["trained_compiled"]["speedup_vs_fastest_none"] == pytest.approx(16 / 8)
-    assert cells["trained_compiled"]["greedy_identical"] == 1
+    # compiled and eager kernels may flip near-ties: a compiled method is checked against none_compiled
+    assert (
+        cells["trained_compiled"]["greedy_identical"] == 1
+        and cells["trained_compiled"]["greedy_reference"] == "none_compiled"
+    )
+    assert (cells["trained"]["greedy_identical"], cells["trained"]["greedy_reference"]) == (1, "none")
     doc = {
         "cells": list(cells.values()),
         "num_speculative_tokens": 3,
