@@ -35,8 +35,8 @@ from eagle3.models import resolve_model  # noqa: E402
 def make_run(work: Path, samples: int, ttt: int, epochs: int, *sets: str):
     from safetensors.numpy import save_file
 
-    from eagle3.hidden.stage import extract_shard, plan, record
-    from hidden_runs import make_run as tokenized_run
+    from eagle3.extract.stage import extract_shard, plan, record
+    from extract_runs import make_run as tokenized_run
 
     rng = np.random.default_rng(0)
     lengths = tuple(int(x) for x in rng.integers(100, 400, samples))

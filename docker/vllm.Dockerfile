@@ -1,11 +1,11 @@
 # The target server image: vLLM's own GPU image (the same vLLM release the CPU tests run, 0.32.0) plus the project's hidden-state extraction worker
-# (the `hidden_states.backend = "vllm"` route runs eagle3/hidden/vllm_worker.py with this Python).
+# (the `extract.backend = "vllm"` route runs eagle3/extract/vllm_worker.py with this Python).
 # Build from the project root:  docker build -f docker/vllm.Dockerfile -t eagle3-vllm .
 ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
 FROM ${VLLM_IMAGE}
 
-COPY eagle3/hidden/vllm_worker.py eagle3/hidden/vllm_connector.py /opt/eagle3/hidden/
-ENV EAGLE3_VLLM_WORKER=/opt/eagle3/hidden/vllm_worker.py
+COPY eagle3/extract/vllm_worker.py eagle3/extract/vllm_connector.py /opt/eagle3/extract/
+ENV EAGLE3_VLLM_WORKER=/opt/eagle3/extract/vllm_worker.py
 
 # Serve the target (compose passes the model and flags); the pipeline's external mode points
 # server.urls at http://vllm:8000/v1.

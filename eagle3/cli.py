@@ -220,7 +220,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
         return 2
     _preflight(config, args.command)
     if args.command == "extract":  # its inputs exist already: check them (and the disk) before any flow run
-        from eagle3.hidden.stage import check_disk, plan
+        from eagle3.extract.stage import check_disk, plan
         from tasks.tokenize import shard_names
 
         check_disk(config, plan(config, shard_names(config)))
@@ -241,8 +241,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from eagle3.evaluate.live import EvaluationFailed, MissingInput
     from eagle3.evaluate.metrics import MetricsUnavailable
     from eagle3.export.layouts import ExportError
+    from eagle3.extract.errors import USER_ERRORS as EXTRACT_ERRORS
     from eagle3.generate.stage import GenerationFailed, MissingInputError
-    from eagle3.hidden.errors import USER_ERRORS as EXTRACT_ERRORS
     from eagle3.importer import ImportModelError
     from eagle3.manifest import AccountingError
     from eagle3.models import ModelDownloadError, ModelNotFoundError

@@ -20,6 +20,7 @@ import hashlib
 import json
 import textwrap
 import tomllib
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -490,7 +491,7 @@ class VocabConfig(_Strict):
     )
 
 
-class HiddenStatesConfig(_Strict):
+class ExtractConfig(_Strict):
     """The target's hidden states the drafter trains on (stage ``extract``)."""
 
     mode: Literal["offline", "online"] = Field(
@@ -844,10 +845,29 @@ class PipelineConfig(_Strict):
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     tokenize: TokenizeConfig = Field(default_factory=TokenizeConfig)
     vocab: VocabConfig = Field(default_factory=VocabConfig)
-    hidden_states: HiddenStatesConfig = Field(default_factory=HiddenStatesConfig)
+    extract: ExtractConfig = Field(default_factory=ExtractConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_section_names(cls, data: Any) -> Any:
+        """``[hidden_states]`` is the old name of ``[extract]``: still read, with a warning, so old
+        configs and deployments keep working; both at once is ambiguous and refused."""
+        if isinstance(data, dict) and "hidden_states" in data:
+            if "extract" in data:
+                raise ValueError(
+                    "both [extract] and [hidden_states] are set: hidden_states is the old name of extract; keep only "
+                    "[extract]"
+                )
+            warnings.warn(
+                "config section [hidden_states] is deprecated: rename it to [extract] (same keys)",
+                FutureWarning,
+                stacklevel=2,
+            )
+            data = {("extract" if k == "hidden_states" else k): v for k, v in data.items()}
+        return data
 
     @field_validator("run_dir")
     @classmethod

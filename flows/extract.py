@@ -18,10 +18,10 @@ from tasks.tokenize import shard_names
 def extract_flow(config: PipelineConfig = PipelineConfig()) -> dict:
     shards = shard_names(config)
     the_plan = plan_task(config, shards)
-    if config.hidden_states.mode == "online":
+    if config.extract.mode == "online":
         return online_task(config, shards, the_plan)
     # Bounded parallelism: one shard per target replica at a time (one replica per GPU).
-    replicas, results = config.hidden_states.replicas, []
+    replicas, results = config.extract.replicas, []
     for start in range(0, len(shards), replicas):
         wave = shards[start : start + replicas]
         futures = [

@@ -16,8 +16,9 @@ from flows.export import export_flow
 from flows.extract import extract_flow
 from flows.generate import generate_flow
 from flows.prepare import prepare_flow
-from flows.tokenize import tokenize_flow, vocab_flow
+from flows.tokenize import tokenize_flow
 from flows.train import train_flow
+from flows.vocab import vocab_flow
 from tasks.report import report_task
 
 # Stages in pipeline order; the ones not listed in BUILT are not available yet.

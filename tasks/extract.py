@@ -16,7 +16,7 @@ from tasks.retry import unless_permanent
 # Disk markers keyed on the tokenized shard's hash, the model, layer ids, dtype and backend decide what is done.
 @task(name="extract-plan", cache_policy=NO_CACHE)
 def plan_task(config: PipelineConfig, shards: list[str]):
-    from eagle3.hidden.stage import check_disk, plan
+    from eagle3.extract.stage import check_disk, plan
 
     the_plan = plan(config, shards)
     check_disk(config, the_plan)
@@ -34,7 +34,7 @@ def plan_task(config: PipelineConfig, shards: list[str]):
 
 @task(name="extract-shard", cache_policy=NO_CACHE, retries=1, retry_condition_fn=unless_permanent)
 def extract_shard_task(config: PipelineConfig, shard: str, the_plan, replica: int = 0):
-    from eagle3.hidden.stage import extract_shard
+    from eagle3.extract.stage import extract_shard
 
     artifact = create_progress_artifact(progress=0.0, description=f"extract {shard}")
     result = extract_shard(
@@ -51,8 +51,8 @@ def extract_shard_task(config: PipelineConfig, shard: str, the_plan, replica: in
 
 @task(name="extract-summary", cache_policy=NO_CACHE)
 def extract_summary_task(config: PipelineConfig, results: list, the_plan) -> dict:
-    from eagle3.hidden.extract import release_extractors
-    from eagle3.hidden.stage import record
+    from eagle3.extract.hf import release_extractors
+    from eagle3.extract.stage import record
 
     release_extractors()
     entry = record(config, results, the_plan)
@@ -73,7 +73,7 @@ def extract_summary_task(config: PipelineConfig, results: list, the_plan) -> dic
 
 @task(name="extract-online", cache_policy=NO_CACHE)
 def online_task(config: PipelineConfig, shards: list[str], the_plan) -> dict:
-    from eagle3.hidden.stage import online_results, record, write_online
+    from eagle3.extract.stage import online_results, record, write_online
 
     settings = write_online(config, the_plan, shards)
     get_run_logger().info(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from prefect import get_run_logger, task
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from eagle3.config import PipelineConfig
@@ -43,22 +43,6 @@ def tokenize_summary_task(config: PipelineConfig, results: list) -> dict:
         key="tokenize-shards",
         table=rows,
         description=f"tokenize: {entry['ok']} rows, {entry['supervised_tokens']} supervised tokens",
-    )
-    return entry
-
-
-@task(name="draft-vocab", cache_policy=NO_CACHE)
-def vocab_task(config: PipelineConfig, shards: list[str]) -> dict:
-    from eagle3.vocab_stage import run_vocab
-
-    entry = run_vocab(config, shards, logger=get_run_logger())
-    create_markdown_artifact(
-        key="draft-vocab",
-        markdown=(
-            f"**Draft vocabulary**: {entry['draft_vocab_size']} of {entry['target_vocab_size']} target ids "
-            f"({'identity' if entry['identity'] else 'top supervised tokens'}); coverage of supervised tokens "
-            f"**{100 * entry['coverage']:.2f}%**; written to `{entry['path']}`"
-        ),
     )
     return entry
 

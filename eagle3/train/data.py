@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from eagle3.hidden.extract import length_batches
+from eagle3.extract.hf import length_batches
 from eagle3.schemas import TOKENIZED_IDS, TOKENIZED_INPUT_IDS, TOKENIZED_LOSS_MASK, check_schema
 from eagle3.train.split import is_heldout
 from eagle3.train.stage import TrainDataError
@@ -74,7 +74,7 @@ class Dataset:
         if not (self.run / "hidden_states" / f"{stem}.done.json").exists():
             raise TrainDataError(
                 f"{self.run / 'hidden_states' / stem}.safetensors: no stored states "
-                '(hidden_states.mode="offline"); run `eagle3 extract`'
+                '(extract.mode="offline"); run `eagle3 extract`'
             )
         listed = json.loads(index.read_text())["ids"]
         if listed != ids:
@@ -84,7 +84,7 @@ class Dataset:
             )
 
     def states(self, sample: Sample) -> tuple[torch.Tensor, torch.Tensor]:
-        from eagle3.hidden.store import ShardStates
+        from eagle3.extract.store import ShardStates
 
         if sample.shard not in self._states:
             self._states[sample.shard] = ShardStates(

@@ -50,14 +50,14 @@ def layer_ids_for(config: PipelineConfig) -> list[int]:
     entry = read_manifest(config.run_dir).get("stages", {}).get("extract")
     if not entry:
         raise TrainInputError(f"{config.run_dir}/manifest.json has no extract stage: run `eagle3 extract` first")
-    if config.hidden_states.layer_ids and list(config.hidden_states.layer_ids) != entry["layer_ids"]:
+    if config.extract.layer_ids and list(config.extract.layer_ids) != entry["layer_ids"]:
         raise TrainInputError(
-            f"hidden_states.layer_ids {config.hidden_states.layer_ids} differ from the {entry['layer_ids']} the "
+            f"extract.layer_ids {config.extract.layer_ids} differ from the {entry['layer_ids']} the "
             "extract stage used: run `eagle3 extract` again"
         )
-    if entry.get("mode") != config.hidden_states.mode:
+    if entry.get("mode") != config.extract.mode:
         raise TrainInputError(
-            f"hidden_states.mode is {config.hidden_states.mode!r} but the extract stage ran in "
+            f"extract.mode is {config.extract.mode!r} but the extract stage ran in "
             f"{entry.get('mode')!r} mode: run `eagle3 extract` again"
         )
     return list(entry["layer_ids"])

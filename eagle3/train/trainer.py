@@ -108,7 +108,7 @@ class Trainer:
         self.model_path, self.layer_ids = model_path, layer_ids
         torch.manual_seed(self.tc.seed)
         self.target = load_target_head(model_path)
-        from eagle3.vocab import load as load_vocab
+        from eagle3.vocab.mapping import load as load_vocab
 
         d2t, t2d = (torch.from_numpy(x) for x in load_vocab(self.run / "vocab" / "draft_vocab.safetensors"))
         self.drafter_config = DrafterConfig.from_target(self.target.config, len(d2t), layer_ids)
@@ -116,13 +116,13 @@ class Trainer:
         model.init_from_target(self.target.embed, self.target.lm_head, d2t, t2d)
         self.model = model.to(self.dist.device)
         self.target = self.target.to(self.dist.device)
-        self.data = Dataset(self.run, shards, self.tc.eval_fraction, offline=config.hidden_states.mode == "offline")
+        self.data = Dataset(self.run, shards, self.tc.eval_fraction, offline=config.extract.mode == "offline")
         self.extractor = None
-        if config.hidden_states.mode == "online":
-            from eagle3.hidden.extract import cached_extractor
+        if config.extract.mode == "online":
+            from eagle3.extract.hf import cached_extractor
 
             self.extractor = cached_extractor(
-                model_path, layer_ids, config.hidden_states.dtype, self.dist.local_rank, max(self.dist.world, 1)
+                model_path, layer_ids, config.extract.dtype, self.dist.local_rank, max(self.dist.world, 1)
             )
         self.batches = micro_batches(self.data.train, self.tc.batch_tokens)
         self.steps_per_epoch = math.ceil(len(self.batches) / (self.dist.world * self.tc.grad_accum))

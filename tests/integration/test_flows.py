@@ -96,7 +96,7 @@ def test_pipeline_flow_generates_with_real_vllm(prefect_server, demo_config, mon
         assert row["loss_mask"] == [0] * len(rec["prompt_token_ids"]) + [1] * len(rec["completion_token_ids"])
     assert manifest["tokenize"]["template_check"]["prompt_mismatch"] == 0, "vLLM and the template agree on prompt ids"
     assert manifest["vocab"]["identity"] and (run / "vocab" / "draft_vocab.safetensors").exists()
-    from eagle3.hidden.store import ShardStates
+    from eagle3.extract.store import ShardStates
 
     ext = manifest["extract"]
     assert ext["in"] == ext["ok"] == manifest["tokenize"]["ok"] and ext["layer_ids"] == [1, 2, 3]

@@ -125,11 +125,11 @@ def test_a_filesystem_root_or_home_is_never_a_root(root):
 # -- the stages' deletions, with a planted symlink ------------------------------------------------
 
 
-def test_hidden_vllm_work_dir_symlinked_out_survives_the_stage_cleanup(layout, monkeypatch):
+def test_extract_vllm_work_dir_symlinked_out_survives_the_stage_cleanup(layout, monkeypatch):
     """RUN/hidden_states/.vllm-shard-00000 is removed after extraction (even a failed one); planted
     as a symlink to an outside folder, only the link goes."""
-    import eagle3.hidden.vllm_backend as backend
-    from eagle3.hidden import stage
+    import eagle3.extract.vllm_backend as backend
+    from eagle3.extract import stage
 
     run, outside = layout
     (run / "hidden_states").mkdir()
@@ -274,7 +274,7 @@ def test_a_symlink_at_the_hidden_states_temporary_name_is_not_written_through(la
     import torch
     from safetensors import safe_open
 
-    from eagle3.hidden.store import StatesWriter
+    from eagle3.extract.store import StatesWriter
 
     run, outside = layout
     path = run / "hidden_states" / "shard-00000.safetensors"

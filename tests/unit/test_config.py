@@ -176,7 +176,7 @@ def test_literal_choices_are_enforced():
 
 def test_show_round_trips(tmp_path):
     config = load_config(
-        None, ["data.limit=10", "generation.concurrency=3", 'server.args=["--a"]', "hidden_states.layer_ids=[1, 2, 3]"]
+        None, ["data.limit=10", "generation.concurrency=3", 'server.args=["--a"]', "extract.layer_ids=[1, 2, 3]"]
     )
     text = to_toml(config, docs=True)
     assert "# Read at most this many source rows" in text
@@ -208,3 +208,14 @@ def test_deployments_carry_the_demo_recipe():
         tree = deployment["parameters"]["config"]
         config = PipelineConfig.model_validate({**tree, "run_dir": recipe.run_dir})
         assert config == recipe, deployment["name"]
+
+
+def test_the_old_hidden_states_section_is_read_as_extract_with_a_warning(tmp_path):
+    path = tmp_path / "old.toml"
+    path.write_text('[hidden_states]\nmode = "online"\n')
+    with pytest.warns(FutureWarning, match=r"\[hidden_states\] is deprecated: rename it to \[extract\]"):
+        config = load_config(path)
+    assert config.extract.mode == "online"
+    path.write_text('[hidden_states]\nmode = "online"\n[extract]\nmode = "offline"\n')
+    with pytest.raises(ConfigError, match="hidden_states is the old name of extract"):
+        load_config(path)

@@ -75,7 +75,7 @@ def test_the_commands_the_images_run_exist_in_the_project():
     vllm = dict(instructions(DOCKER / "vllm.Dockerfile"))
     assert "vllm.entrypoints.openai.api_server" in vllm["ENTRYPOINT"]
     for src in copy_sources(DOCKER / "vllm.Dockerfile"):
-        assert src.startswith("eagle3/hidden/vllm_")
+        assert src.startswith("eagle3/extract/vllm_")
 
 
 def test_deployment_entrypoints_exist():

@@ -18,11 +18,11 @@ STAGE = """
 import sys
 from eagle3.config import DEMO_RECIPE, load_config
 from eagle3.tokenize.stage import load_tokenizer, tokenize_shard, tokenizer_path
-from eagle3.vocab_stage import run_vocab
-from eagle3.hidden.stage import extract_shard, plan
+from eagle3.vocab.stage import run_vocab
+from eagle3.extract.stage import extract_shard, plan
 config = load_config(
     DEMO_RECIPE,
-    [f'run_dir="{sys.argv[1]}"', 'data.num_shards=2', 'hidden_states.dtype="float32"', 'vocab.draft_vocab_size=1000'],
+    [f'run_dir="{sys.argv[1]}"', 'data.num_shards=2', 'extract.dtype="float32"', 'vocab.draft_vocab_size=1000'],
 )
 names = ["shard-00000.parquet", "shard-00001.parquet"]
 path = tokenizer_path(config)

@@ -120,7 +120,7 @@ def make_run(tmp_path: Path, *sets: str):
 
 def tokenize_and_vocab(config, tok):
     from eagle3.tokenize.stage import tokenize_shard, tokenizer_path
-    from eagle3.vocab_stage import run_vocab
+    from eagle3.vocab.stage import run_vocab
 
     tokenize_shard(config, "shard-00000.parquet", tok, tokenizer_path(config))
     return run_vocab(config, ["shard-00000.parquet"])
@@ -215,7 +215,7 @@ def test_tokenize_vocab_and_generation_key_read_a_hub_id_through_the_cache(offli
 def test_extract_train_head_and_export_read_a_hub_id_through_the_cache(offline_cache, tiny, tmp_path):
     from eagle3.export.layouts import write_untrained_checkpoint
     from eagle3.export.stage import run_export
-    from eagle3.hidden.extract import model_fingerprint, num_layers_of
+    from eagle3.extract.hf import model_fingerprint, num_layers_of
     from eagle3.train.target import load_target_head
 
     snapshot = resolve_model("acme/tiny-qwen3")
@@ -331,9 +331,9 @@ def test_a_tied_target_trains_and_exports(tied, tmp_path):
 
     from eagle3.export.layouts import write_untrained_checkpoint
     from eagle3.export.stage import run_export
-    from eagle3.hidden.stage import extract_shard, plan, record
+    from eagle3.extract.stage import extract_shard, plan, record
     from eagle3.train.trainer import Dist, Trainer
-    from hidden_runs import make_run as make_hidden_run
+    from extract_runs import make_run as make_hidden_run
 
     lengths = tuple(range(20, 50, 5))
     config, names = make_hidden_run(

@@ -38,7 +38,7 @@ DRIVERS = {
         )
     """,
     "vllm_worker": """
-        from eagle3.hidden.vllm_backend import run_worker
+        from eagle3.extract.vllm_backend import run_worker
         run_worker([sys.executable, "-c", SLEEPER], None, 300, logging.getLogger(), pidfile=d / "vllm_worker.pid")
     """,
 }

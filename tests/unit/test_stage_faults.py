@@ -273,8 +273,8 @@ def test_a_prompt_shard_with_the_wrong_columns_is_refused_by_tokenize(tmp_path):
 
 
 def test_a_tokenized_shard_with_string_ids_is_refused_by_extract_before_any_work(tmp_path):
-    from eagle3.hidden.stage import plan
-    from hidden_runs import make_run
+    from eagle3.extract.stage import plan
+    from extract_runs import make_run
 
     config, names = make_run(tmp_path)
     path = Path(config.run_dir) / "tokenized" / "shard-00001.parquet"
@@ -301,9 +301,7 @@ def stored_extract(config, names, layer_ids=(1, 2, 3)) -> None:
     save_file(
         {"d2t": np.zeros(8, dtype=np.int64), "t2d": np.ones(4096, dtype=bool)}, str(vocab / "draft_vocab.safetensors")
     )
-    record_stage(
-        config.run_dir, "extract", StageCounts(7, 7), mode=config.hidden_states.mode, layer_ids=list(layer_ids)
-    )
+    record_stage(config.run_dir, "extract", StageCounts(7, 7), mode=config.extract.mode, layer_ids=list(layer_ids))
 
 
 @pytest.mark.parametrize(
@@ -320,7 +318,7 @@ def stored_extract(config, names, layer_ids=(1, 2, 3)) -> None:
 )
 def test_a_tokenized_shard_with_a_wrong_loss_mask_is_refused_by_train_before_torchrun(tmp_path, column, value, found):
     from eagle3.train.stage import run_train
-    from hidden_runs import make_run
+    from extract_runs import make_run
 
     config, names = make_run(tmp_path)
     stored_extract(config, names)
@@ -333,14 +331,14 @@ def test_a_tokenized_shard_with_a_wrong_loss_mask_is_refused_by_train_before_tor
 
 def test_layer_ids_changed_after_extraction_are_refused_by_train(tmp_path):
     from eagle3.train.stage import TrainInputError, run_train
-    from hidden_runs import make_run
+    from extract_runs import make_run
 
-    config, names = make_run(tmp_path, ((7, 40),), "hidden_states.layer_ids=[1, 2, 4]")
+    config, names = make_run(tmp_path, ((7, 40),), "extract.layer_ids=[1, 2, 4]")
     stored_extract(config, names, layer_ids=(1, 2, 3))
     with pytest.raises(
         TrainInputError,
         match=(
-            r"hidden_states.layer_ids \[1, 2, 4\] differ from the \[1, 2, 3\] the extract stage used: run `eagle3 "
+            r"extract.layer_ids \[1, 2, 4\] differ from the \[1, 2, 3\] the extract stage used: run `eagle3 "
             r"extract` again"
         ),
     ):
@@ -353,7 +351,7 @@ def test_layer_ids_changed_after_extraction_are_refused_by_train(tmp_path):
 
 def test_a_tokenizer_changed_since_tokenize_is_refused_by_extract_and_train(tmp_path):
     from eagle3.config import DEMO_RECIPE, load_config
-    from eagle3.hidden.stage import plan
+    from eagle3.extract.stage import plan
     from eagle3.models import resolve_model
     from eagle3.tokenize.stage import load_tokenizer, tokenize_shard, tokenizer_path
     from eagle3.train.stage import run_train
@@ -365,7 +363,7 @@ def test_a_tokenizer_changed_since_tokenize_is_refused_by_extract_and_train(tmp_
     shutil.copytree(resolve_model("tiny:qwen3"), model)  # a copy: the shared cache stays as it is
     config = load_config(
         DEMO_RECIPE,
-        [f'run_dir="{run}"', f'server.model="{model}"', "data.num_shards=2", 'hidden_states.dtype="float32"'],
+        [f'run_dir="{run}"', f'server.model="{model}"', "data.num_shards=2", 'extract.dtype="float32"'],
     )
     names = ["shard-00000.parquet", "shard-00001.parquet"]
     tok = load_tokenizer(tokenizer_path(config))

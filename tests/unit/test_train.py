@@ -150,8 +150,8 @@ def make_train_run(tmp_path: Path, *sets: str, identity_vocab: bool = True):
     (then the caller runs the vocab stage on the token counts written here)."""
     from safetensors.numpy import save_file
 
-    from eagle3.hidden.stage import extract_shard, plan, record
-    from hidden_runs import make_run
+    from eagle3.extract.stage import extract_shard, plan, record
+    from extract_runs import make_run
 
     lengths = tuple(range(20, 60, 3))  # 14 samples per shard
     config, names = make_run(
@@ -355,7 +355,7 @@ def test_online_extraction_trains_like_stored_states(tmp_path):
     from eagle3.train.trainer import Dist, Trainer
 
     offline, names = make_train_run(tmp_path / "offline", "train.epochs=1")
-    online = offline.model_copy(update={"hidden_states": offline.hidden_states.model_copy(update={"mode": "online"})})
+    online = offline.model_copy(update={"extract": offline.extract.model_copy(update={"mode": "online"})})
     losses = {}
     for name, config in (("offline", offline), ("online", online)):
         for sub in ("checkpoints", "train"):
@@ -381,8 +381,8 @@ def test_a_reduced_draft_vocabulary_from_the_counts_to_the_export(tmp_path):
     from eagle3.tokenize.stage import load_tokenizer, tokenizer_path
     from eagle3.train.target import load_target_head
     from eagle3.train.trainer import Dist, Trainer
-    from eagle3.vocab import load as load_vocab, must_keep
-    from eagle3.vocab_stage import run_vocab
+    from eagle3.vocab.mapping import load as load_vocab, must_keep
+    from eagle3.vocab.stage import run_vocab
 
     D = 1024
     config, names = make_train_run(tmp_path, f"vocab.draft_vocab_size={D}", "train.epochs=1", identity_vocab=False)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from eagle3.vocab import build, load, save, sum_counts
+from eagle3.vocab.mapping import build, load, save, sum_counts
 
 
 def counts_of(size, seed=0):

@@ -41,6 +41,6 @@ def make_run(tmp_path: Path, shards=(LENGTHS, (12, 30)), *sets: str):
         )
         names.append(name)
     config = load_config(
-        DEMO_RECIPE, [f'run_dir="{run}"', 'hidden_states.dtype="float32"', "hidden_states.batch_tokens=256", *sets]
+        DEMO_RECIPE, [f'run_dir="{run}"', 'extract.dtype="float32"', "extract.batch_tokens=256", *sets]
     )
     return config, names

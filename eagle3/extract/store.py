@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from eagle3.durable import fsync_dir
-from eagle3.hidden.errors import StatesError
+from eagle3.extract.errors import StatesError
 
 FORMAT = "eagle3-hidden-states/1"
 

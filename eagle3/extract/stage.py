@@ -28,8 +28,8 @@ import pyarrow.parquet as pq
 
 from eagle3.config import PipelineConfig, section_hash
 from eagle3.durable import atomic_write_json, read_json, remove_inside, sha256_file, writing
-from eagle3.hidden.errors import DiskSpaceError, ExtractInputError, StatesError
-from eagle3.hidden.store import StatesWriter, states_bytes
+from eagle3.extract.errors import DiskSpaceError, ExtractInputError, StatesError
+from eagle3.extract.store import StatesWriter, states_bytes
 
 DISK_MARGIN = 1.02  # headers, index files and filesystem slack on top of the tensors themselves
 
@@ -64,7 +64,7 @@ def _paths(run_dir: Path, shard: str) -> dict[str, Path]:
 
 
 def _key(config: PipelineConfig, tokenized_sha: str, fingerprint: str, layer_ids: list[int]) -> str:
-    hs = config.hidden_states
+    hs = config.extract
     parts = [tokenized_sha, fingerprint, json.dumps(layer_ids), hs.dtype, hs.backend]
     return hashlib.sha256(":".join(parts).encode()).hexdigest()[:16]
 
@@ -107,7 +107,7 @@ def plan(config: PipelineConfig, shards: list[str]) -> Plan:
     """Layer ids, keys and the disk bill, from the tokenized markers and the model's config.
     Every shard is checked first (its hash, its columns, the tokenizer it was made with), so a
     bad input stops the stage before any forward pass."""
-    from eagle3.hidden.extract import model_fingerprint, num_layers_of, resolve_layer_ids
+    from eagle3.extract.hf import model_fingerprint, num_layers_of, resolve_layer_ids
     from eagle3.schemas import (
         TOKENIZED_IDS,
         TOKENIZED_INPUT_IDS,
@@ -121,7 +121,7 @@ def plan(config: PipelineConfig, shards: list[str]) -> Plan:
     path, tok_path = model_path(config), tokenizer_path(config)
     tok_hash = tokenizer_hash(tok_path)
     layers, hidden = num_layers_of(path)
-    layer_ids = resolve_layer_ids(config.hidden_states.layer_ids, layers)
+    layer_ids = resolve_layer_ids(config.extract.layer_ids, layers)
     fingerprint = model_fingerprint(path)
     keys, done, tokens = {}, {}, {}
     for shard in shards:
@@ -154,7 +154,7 @@ def _is_done(p: dict, key: str) -> bool:
 def check_disk(config: PipelineConfig, the_plan: Plan) -> None:
     """Refuse to start when the missing shards' states would not fit, naming both numbers."""
     need = the_plan.bytes_needed
-    if config.hidden_states.mode == "online" or need == 0:
+    if config.extract.mode == "online" or need == 0:
         return
     out = Path(config.run_dir) / "hidden_states"
     out.mkdir(parents=True, exist_ok=True)
@@ -166,7 +166,7 @@ def check_disk(config: PipelineConfig, the_plan: Plan) -> None:
             f"({sum(t for s, t in the_plan.tokens.items() if not the_plan.done[s])} tokens "
             f"x 4 x {the_plan.hidden_size} x 2 bytes, +{round((DISK_MARGIN - 1) * 100)}%) "
             f"but {out} has only {_gib(free)} free. "
-            'Free space, point run_dir at a larger disk, or set hidden_states.mode="online" '
+            'Free space, point run_dir at a larger disk, or set extract.mode="online" '
             "to compute states inside training."
         )
 
@@ -189,7 +189,7 @@ def extract_shard(
     remove_inside(p["done"], config.run_dir)
     ids, seqs = _tokenized(p, shard)
     started = time.perf_counter()
-    hs = config.hidden_states
+    hs = config.extract
     meta = {
         "model": config.server.model,
         "layer_ids": json.dumps(the_plan.layer_ids),
@@ -243,9 +243,9 @@ def extract_shard(
 def _fill_with_hf(
     config, seqs, the_plan: Plan, writer: StatesWriter, replica: int, log, shard: str, progress=None
 ) -> None:
-    from eagle3.hidden.extract import cached_extractor
+    from eagle3.extract.hf import cached_extractor
 
-    hs = config.hidden_states
+    hs = config.extract
     extractor = cached_extractor(model_path(config), the_plan.layer_ids, hs.dtype, replica, hs.replicas)
     done, last_log, total = 0, time.monotonic(), len(seqs)
     for k, aux, last in extractor.iter_states(seqs, hs.batch_tokens):
@@ -263,9 +263,9 @@ def _fill_with_vllm(config, shard: str, ids, seqs, the_plan: Plan, writer: State
     """vLLM's own extraction, in chunks of ``vllm_chunk_tokens`` (one worker run each)."""
     import torch
 
-    from eagle3.hidden.vllm_backend import extract_with_vllm
+    from eagle3.extract.vllm_backend import extract_with_vllm
 
-    hs = config.hidden_states
+    hs = config.extract
     layers = [*the_plan.layer_ids, _num_layers(config)]
     work = Path(config.run_dir) / "hidden_states" / f".vllm-{shard.removesuffix('.parquet')}"
     chunks, current, tokens = [], [], 0
@@ -302,7 +302,7 @@ def _fill_with_vllm(config, shard: str, ids, seqs, the_plan: Plan, writer: State
 
 
 def _num_layers(config: PipelineConfig) -> int:
-    from eagle3.hidden.extract import num_layers_of
+    from eagle3.extract.hf import num_layers_of
 
     return num_layers_of(model_path(config))[0]
 
@@ -313,7 +313,7 @@ def write_online(config: PipelineConfig, the_plan: Plan, shards: list[str]) -> d
         "model": config.server.model,
         "layer_ids": the_plan.layer_ids,
         "hidden_size": the_plan.hidden_size,
-        "dtype": config.hidden_states.dtype,
+        "dtype": config.extract.dtype,
         "shards": shards,
         "tokens": sum(the_plan.tokens.values()),
     }
@@ -330,13 +330,13 @@ def record(config: PipelineConfig, results: list[ExtractResult], the_plan: Plan)
         "extract",
         counts,
         status="ok",
-        mode=config.hidden_states.mode,
-        backend=config.hidden_states.backend,
+        mode=config.extract.mode,
+        backend=config.extract.backend,
         layer_ids=the_plan.layer_ids,
         hidden_size=the_plan.hidden_size,
         tokens=sum(r.tokens for r in results),
         bytes=sum(Path(r.path).stat().st_size for r in results if r.path and Path(r.path).is_file()),
-        config_hash=section_hash(config.hidden_states),
+        config_hash=section_hash(config.extract),
         model_fingerprint=the_plan.fingerprint,
         versions=versions("torch", "transformers", "safetensors"),
     )

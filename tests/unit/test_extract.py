@@ -7,21 +7,21 @@ import pytest
 import torch
 
 from eagle3.config import DEMO_RECIPE, load_config
-from eagle3.hidden.errors import (
+from eagle3.extract.errors import (
     DiskSpaceError,
     ExtractInputError,
     LayerIdError,
     StatesError,
 )
-from eagle3.hidden.extract import (
+from eagle3.extract.hf import (
     HFExtractor,
     default_layer_ids,
     length_batches,
     resolve_layer_ids,
 )
-from eagle3.hidden.store import ShardStates, StatesWriter
+from eagle3.extract.store import ShardStates, StatesWriter
 from eagle3.tiny import ensure_tiny
-from hidden_runs import LENGTHS, make_run, samples
+from extract_runs import LENGTHS, make_run, samples
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def test_default_layer_ids_stay_distinct_for_small_targets():
     assert default_layer_ids(32) == [2, 16, 29]  # vLLM's own choice where it is distinct
     assert default_layer_ids(4) == [1, 2, 3]  # vLLM's (2, 2, 1) would collapse
     assert len(set(default_layer_ids(5))) == 3
-    with pytest.raises(LayerIdError, match="set hidden_states.layer_ids"):
+    with pytest.raises(LayerIdError, match="set extract.layer_ids"):
         default_layer_ids(2)
     with pytest.raises(LayerIdError, match=r"\[5\] outside 1..4"):
         resolve_layer_ids([1, 2, 5], 4)
@@ -61,7 +61,7 @@ def test_config_rejects_layer_ids_that_are_not_three_distinct():
     from eagle3.config import ConfigError
 
     with pytest.raises(ConfigError, match="layer_ids"):
-        load_config(DEMO_RECIPE, ["hidden_states.layer_ids=[1, 1, 2]"])
+        load_config(DEMO_RECIPE, ["extract.layer_ids=[1, 1, 2]"])
 
 
 def test_length_batches_cover_every_sample_once_within_the_token_budget():
@@ -120,7 +120,7 @@ def test_writer_refuses_holes_bad_shapes_and_non_finite_values(tmp_path):
 
 
 def run_stage(config, names):
-    from eagle3.hidden.stage import check_disk, extract_shard, plan
+    from eagle3.extract.stage import check_disk, extract_shard, plan
 
     the_plan = plan(config, names)
     check_disk(config, the_plan)
@@ -157,15 +157,13 @@ def test_stage_stores_what_a_direct_forward_gives_and_resumes(tmp_path, extracto
     _, third = run_stage(config, names)
     assert [r.skipped for r in third] == [True, False], "a shard whose states are gone is extracted again"
 
-    changed = config.model_copy(
-        update={"hidden_states": config.hidden_states.model_copy(update={"layer_ids": [1, 3, 4]})}
-    )
+    changed = config.model_copy(update={"extract": config.extract.model_copy(update={"layer_ids": [1, 3, 4]})})
     _, fourth = run_stage(changed, names)
     assert not any(r.skipped for r in fourth), "new layer ids: every shard again"
 
 
 def test_a_killed_extraction_leaves_no_complete_looking_shard(tmp_path, monkeypatch):
-    from eagle3.hidden import store
+    from eagle3.extract import store
 
     config, names = make_run(tmp_path)
     real, calls = store.StatesWriter.write, {"n": 0}
@@ -193,7 +191,7 @@ def test_online_extraction_gives_the_stored_tensors(tmp_path, extractor):
     states = ShardStates(Path(config.run_dir) / "hidden_states" / "shard-00000.safetensors")
     seqs = samples(LENGTHS, seed=0)
     # Training's online path: the same extractor function on a training batch, cast to the stored dtype.
-    from eagle3.hidden.extract import cached_extractor
+    from eagle3.extract.hf import cached_extractor
 
     online = cached_extractor(extractor.model_path, [1, 2, 3], "float32")
     for batch in ([0, 1, 2], [3, 4]):
@@ -206,7 +204,7 @@ def test_online_extraction_gives_the_stored_tensors(tmp_path, extractor):
 def test_disk_refusal_names_both_numbers(tmp_path, monkeypatch):
     import shutil
 
-    from eagle3.hidden import stage
+    from eagle3.extract import stage
 
     config, names = make_run(tmp_path)
     monkeypatch.setattr(stage.shutil, "disk_usage", lambda _p: shutil._ntuple_diskusage(10**12, 10**12 - 1000, 1000))
@@ -225,9 +223,9 @@ def test_missing_tokenized_shard_is_named(tmp_path):
 
 
 def test_online_mode_stores_nothing_and_records_the_settings_training_uses(tmp_path):
-    from eagle3.hidden.stage import online_results, plan, record, write_online
+    from eagle3.extract.stage import online_results, plan, record, write_online
 
-    config, names = make_run(tmp_path, (LENGTHS, (12, 30)), 'hidden_states.mode="online"')
+    config, names = make_run(tmp_path, (LENGTHS, (12, 30)), 'extract.mode="online"')
     the_plan = plan(config, names)
     settings = write_online(config, the_plan, names)
     entry = record(config, online_results(config, names, the_plan), the_plan)
@@ -246,7 +244,7 @@ def test_online_mode_stores_nothing_and_records_the_settings_training_uses(tmp_p
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_bf16_extraction_matches_the_cpu_float32_forward(tiny, extractor):
-    from eagle3.hidden.extract import Placement
+    from eagle3.extract.hf import Placement
 
     gpu = HFExtractor(tiny, None, "bfloat16", Placement.for_replica(0, 1))
     assert gpu.device.startswith("cuda")
@@ -261,7 +259,7 @@ def test_a_failing_write_gives_a_clear_error_and_leaves_no_shard(tmp_path, monke
     import errno
 
     from eagle3.durable import DiskWriteError
-    from eagle3.hidden import store
+    from eagle3.extract import store
 
     config, names = make_run(tmp_path)
     real, calls = store.os.pwrite, {"n": 0}
