@@ -14,7 +14,7 @@ from eagle3.config import PipelineConfig
 from eagle3.prepare.self_prompts import Plan, is_self_source, marker_current
 from eagle3.prepare.stage import PrepareResult
 from tasks.prepare import prepare_task, self_prompts_plan_task, self_prompts_task
-from tasks.serve import target_server
+from eagle3.serving.target import target_server
 
 
 async def _written_by_target(config: PipelineConfig, plan: Plan) -> dict | None:

@@ -15,7 +15,7 @@ from eagle3.config import PipelineConfig
 from eagle3.generate import stage
 from eagle3.generate.client import EndpointPool, deadline_s
 from eagle3.generate.shard import ShardResult, generate_shard
-from tasks.serve import Target, outage_wait_s, replica_events
+from eagle3.serving.target import Target, outage_wait_s, replica_events
 
 
 class ShardIncomplete(RuntimeError):

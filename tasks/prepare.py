@@ -12,7 +12,7 @@ from eagle3.config import PipelineConfig
 from eagle3.generate.client import EndpointPool, deadline_s
 from eagle3.prepare.self_prompts import Plan, collect, make_plan
 from eagle3.prepare.stage import PrepareResult, run_prepare
-from tasks.serve import Target, outage_wait_s, replica_events
+from eagle3.serving.target import Target, outage_wait_s, replica_events
 
 
 # The completion marker on disk decides whether work is needed (it checks the

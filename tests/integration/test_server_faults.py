@@ -181,7 +181,7 @@ def test_killed_managed_server_is_restarted_and_no_prompt_is_lost(prefect_server
 
 
 def test_server_that_keeps_dying_fails_the_flow_naming_the_limit(prefect_server, demo_config, tmp_path):
-    from tasks.serve import ServerLost
+    from eagle3.serving.target import ServerLost
 
     config = fake_managed(demo_config, tmp_path, 80, "server.max_restarts=0")
     run, killed = Path(config.run_dir), {}

@@ -378,7 +378,7 @@ async def test_the_managed_server_loads_the_snapshot_under_the_hub_id(offline_ca
     """vLLM gets the resolved folder (no hub access at start-up, the bytes every stage reads) and
     --served-model-name ID; requests, records and tokenize's check all use the id."""
     from eagle3.generate.stage import expected_target
-    from tasks.serve import target_server
+    from eagle3.serving.target import target_server
     from test_managed_server import STAND_IN  # a stand-in vLLM that answers /v1/models with the served name
 
     script = tmp_path / "stand_in.py"

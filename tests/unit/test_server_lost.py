@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from eagle3.config import load_config
-from tasks.serve import STAGE_OF_FOLDER, ServerLost, Serving
+from eagle3.serving.target import STAGE_OF_FOLDER, ServerLost, Serving
 
 
 @pytest.mark.parametrize("folder, stage", [("generations", "generate"), ("prompts", "prepare")])
