@@ -28,10 +28,12 @@ import sys
 import time
 from pathlib import Path
 
+from eagle3 import stages
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 
-STAGES = ("prepare", "generate", "tokenize", "vocab", "extract", "train", "export", "evaluate")
+STAGES = stages.names()
 
 
 def machine() -> dict:
@@ -80,7 +82,7 @@ def commit() -> str:
 
 def run_stage(stage: str, recipe: str, sets: list[str], log: Path) -> float:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    argv = [sys.executable, "-m", "eagle3.cli", stage, "--config", recipe, *(a for s in sets for a in ("--set", s))]
+    argv = [sys.executable, "-m", "cli", stage, "--config", recipe, *(a for s in sets for a in ("--set", s))]
     began = time.monotonic()
     with open(log, "a") as fh:
         fh.write(f"\n== {' '.join(argv)}\n")

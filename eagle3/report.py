@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from eagle3 import stages
 from eagle3.manifest import MANIFEST, read_manifest
 
 COLUMNS = ("stage", "status", "in", "ok", "failed", "filtered", "reasons")
-ORDER = ("self_prompts", "prepare", "generate", "tokenize", "vocab", "extract", "train", "export", "evaluate")
 
 
 def _reasons(entry: dict) -> str:
@@ -19,7 +19,8 @@ def status_rows(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / MANIFEST
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: not a run directory, or no stage has finished yet")
-    stages = read_manifest(run_dir).get("stages", {})
+    entries = read_manifest(run_dir).get("stages", {})
+    order = stages.manifest_order()
     return [
         {
             "stage": name,
@@ -30,7 +31,7 @@ def status_rows(run_dir: str | Path) -> list[dict]:
             "filtered": e["filtered"],
             "reasons": _reasons(e),
         }
-        for name, e in sorted(stages.items(), key=lambda kv: ORDER.index(kv[0]) if kv[0] in ORDER else len(ORDER))
+        for name, e in sorted(entries.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order))
     ]
 
 
@@ -43,17 +44,6 @@ def status_table(run_dir: str | Path) -> str:
 
 
 # -- the run report: one markdown page a person reads --------------------------------------------
-
-OUTPUTS = (
-    ("prompts", "prompts/", "prompt shards; rejected rows with reasons in prompts/rejected.jsonl"),
-    ("generate", "generations/", "regenerated answers (JSONL per shard); failures in shard-*.failed.jsonl; server.log"),
-    ("tokenize", "tokenized/", "input_ids + loss_mask Parquet; filtered rows in shard-*.rejected.jsonl"),
-    ("vocab", "vocab/draft_vocab.safetensors", "d2t / t2d"),
-    ("extract", "hidden_states/", "the target's aux and last-layer states (bf16 safetensors per shard)"),
-    ("train", "checkpoints/", "drafter checkpoints; best.json = best held-out acceptance; logs in train/"),
-    ("export", "export/", "vllm / speculators / sglang layouts"),
-    ("evaluate", "evaluate/live.json", "live comparison in vLLM (every cell and visit); server logs beside it"),
-)
 
 
 def _fmt(value, digits: int = 3) -> str:
@@ -82,7 +72,7 @@ def markdown_report(run_dir: str | Path, embed_png: bool = False) -> str:
     """Accounting per stage, errors by kind, token statistics, vocabulary coverage, training
     curves, acceptance and where every output is -- read from the run directory alone."""
     run = Path(run_dir)
-    stages = read_manifest(run).get("stages", {})
+    entries = read_manifest(run).get("stages", {})
     lines = [
         f"# eagle3 run report: `{run.resolve()}`",
         "",
@@ -96,10 +86,10 @@ def markdown_report(run_dir: str | Path, embed_png: bool = False) -> str:
             f"| {r['stage']} | {r['status']} | {r['in']} | {r['ok']} | {r['failed']} | {r['filtered']} | "
             f"{r['reasons']} |"
         )
-    errors = [f"- **{name}**: {e['error']}" for name, e in stages.items() if e.get("error")]
+    errors = [f"- **{name}**: {e['error']}" for name, e in entries.items() if e.get("error")]
     if errors:
         lines += ["", "Errors:", *errors]
-    tok = stages.get("tokenize")
+    tok = entries.get("tokenize")
     if tok:
         rate = (tok.get("template_check") or {}).get("mismatch_rate") or {}
         lines += [
@@ -117,7 +107,7 @@ def markdown_report(run_dir: str | Path, embed_png: bool = False) -> str:
                 f"mismatch rate {_fmt(rate.get('full_mismatch'))}"
             ),
         ]
-    voc = stages.get("vocab")
+    voc = entries.get("vocab")
     if voc:
         lines += [
             (
@@ -126,7 +116,7 @@ def markdown_report(run_dir: str | Path, embed_png: bool = False) -> str:
                 f"{100 * voc['coverage']:.2f}%"
             )
         ]
-    ext = stages.get("extract")
+    ext = entries.get("extract")
     if ext:
         lines += [
             (
@@ -134,7 +124,7 @@ def markdown_report(run_dir: str | Path, embed_png: bool = False) -> str:
                 f"{ext['tokens']} tokens, {ext['bytes'] / 2**20:.1f} MiB"
             )
         ]
-    train = stages.get("train")
+    train = entries.get("train")
     if train:
         best = train.get("best") or {}
         lines += [
@@ -161,7 +151,7 @@ def markdown_report(run_dir: str | Path, embed_png: bool = False) -> str:
                 ]
             else:
                 lines += ["", "![training curves](train/curves.png)"]
-    ev = stages.get("evaluate")
+    ev = entries.get("evaluate")
     if ev:
         lines += [
             "",
@@ -182,9 +172,9 @@ def markdown_report(run_dir: str | Path, embed_png: bool = False) -> str:
         ]
         lines += _live_table(run)
     lines += ["", "## Where everything is", ""]
-    for stage, rel, what in OUTPUTS:
-        if (run / rel).exists():
-            lines.append(f"- `{run / rel}` -- {what}")
+    for stage in stages.STAGES:
+        if (run / stage.output).exists():
+            lines.append(f"- `{run / stage.output}` -- {stage.outputs_doc}")
     lines.append(f"- `{run / MANIFEST}` -- the accounting above, per stage, with config hashes and versions")
     return "\n".join(lines) + "\n"
 

@@ -12,9 +12,9 @@ from eagle3.durable import DiskWriteError
 from eagle3.generate import stage
 from eagle3.generate.shard import is_complete
 from eagle3.schemas import SchemaError
+from eagle3.serving.target import expected_target, outage_allowance_s, target_server
 from tasks.generate import generate_shard_task, generate_summary_task
 from tasks.retry import unless_permanent
-from eagle3.serving.target import expected_target, outage_allowance_s, target_server
 
 
 async def _bounded(limit: asyncio.Semaphore, make):

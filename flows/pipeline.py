@@ -1,39 +1,28 @@
-"""Flow ``eagle3-pipeline``: every stage that exists, in order, as subflows.
+"""Flow ``eagle3-pipeline``: every stage of ``eagle3.stages``, in order, as subflows, then the run report.
 
-Later stages plug in here as they are built; each also runs alone through its own flow.
+Each stage also runs alone through its own flow (``eagle3 STAGE``, or its deployment).
 """
 
 from __future__ import annotations
 
 import datetime
+import inspect
 
 from prefect import flow
 from prefect.runtime import flow_run
 
+from eagle3 import stages
 from eagle3.config import PipelineConfig
-from flows.evaluate import evaluate_flow
-from flows.export import export_flow
-from flows.extract import extract_flow
-from flows.generate import generate_flow
-from flows.prepare import prepare_flow
-from flows.tokenize import tokenize_flow
-from flows.train import train_flow
-from flows.vocab import vocab_flow
 from tasks.report import report_task
 
-# Stages in pipeline order; the ones not listed in BUILT are not available yet.
-STAGES = ("prepare", "generate", "tokenize", "vocab", "extract", "train", "export", "evaluate")
-BUILT = STAGES
-FLOWS = {
-    "prepare": prepare_flow,
-    "generate": generate_flow,
-    "tokenize": tokenize_flow,
-    "vocab": vocab_flow,
-    "extract": extract_flow,
-    "train": train_flow,
-    "export": export_flow,
-    "evaluate": evaluate_flow,
-}
+
+async def run_stages(config: PipelineConfig, todo: tuple[stages.Stage, ...]) -> dict:
+    """Each stage's flow in order (awaited when it is async); its result under its name."""
+    results: dict = {}
+    for stage in todo:
+        outcome = stages.resolve(stage.flow)(config)
+        results[stage.name] = await outcome if inspect.isawaitable(outcome) else outcome
+    return results
 
 
 def run_name() -> str:
@@ -54,13 +43,6 @@ def run_name() -> str:
     description="Prompts to a trained, exported and live-evaluated EAGLE-3 drafter.",
 )
 async def pipeline_flow(config: PipelineConfig = PipelineConfig()) -> dict:
-    results = {"prepare": prepare_flow(config)}
-    results["generate"] = await generate_flow(config)
-    results["tokenize"] = tokenize_flow(config)
-    results["vocab"] = vocab_flow(config)
-    results["extract"] = extract_flow(config)
-    results["train"] = train_flow(config)
-    results["export"] = export_flow(config)
-    results["evaluate"] = evaluate_flow(config)
+    results = await run_stages(config, stages.STAGES)
     results["report"] = report_task(config)
     return results

@@ -13,8 +13,8 @@ from prefect.utilities.asyncutils import run_coro_as_sync
 from eagle3.config import PipelineConfig
 from eagle3.prepare.self_prompts import Plan, is_self_source, marker_current
 from eagle3.prepare.stage import PrepareResult
-from tasks.prepare import prepare_task, self_prompts_plan_task, self_prompts_task
 from eagle3.serving.target import target_server
+from tasks.prepare import prepare_task, self_prompts_plan_task, self_prompts_task
 
 
 async def _written_by_target(config: PipelineConfig, plan: Plan) -> dict | None:

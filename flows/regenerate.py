@@ -1,6 +1,7 @@
 """Flow ``eagle3-regenerate``: the nightly refresh of the training data.
 
-prepare -> generate -> tokenize on the same run directory as the last night. Incremental by
+The nightly stages of ``eagle3.stages`` (prepare -> generate -> tokenize) on the same run
+directory as the last night. Incremental by
 construction: prompt ids are content hashes and shards are assigned by id, generation resumes
 by id (records already on disk for the same model, sampling and template are kept), and stage
 markers are keyed on their inputs. So only new or changed prompts reach the target; a night with
@@ -11,10 +12,9 @@ from __future__ import annotations
 
 from prefect import flow
 
+from eagle3 import stages
 from eagle3.config import PipelineConfig
-from flows.generate import generate_flow
-from flows.prepare import prepare_flow
-from flows.tokenize import tokenize_flow
+from flows.pipeline import run_stages
 
 
 @flow(
@@ -24,7 +24,4 @@ from flows.tokenize import tokenize_flow
     ),
 )
 async def regenerate_flow(config: PipelineConfig = PipelineConfig()) -> dict:
-    results = {"prepare": prepare_flow(config)}
-    results["generate"] = await generate_flow(config)
-    results["tokenize"] = tokenize_flow(config)
-    return results
+    return await run_stages(config, stages.nightly())

@@ -227,3 +227,24 @@ def run_evaluate(config: PipelineConfig, logger=None) -> dict:
     if bad:
         raise EvaluationFailed(f"evaluate: {'; '.join(bad)}; see {out / 'live.json'} and the server logs in {out}")
     return {**entry, "live": doc}
+
+
+def summary_line(entry: dict, run_dir: str | Path) -> str | None:
+    """The CLI's end-of-run lines for this stage: live acceptance per temperature, then the headline."""
+    from eagle3.evaluate.table import summary_line as headline_line
+
+    def per_temperature(key: str) -> str:
+        return ", ".join(f"T={t}: {v:.3f}" for t, v in (entry.get(key) or {}).items() if v is not None)
+
+    lines = []
+    live, base = per_temperature("mean_acceptance_length"), per_temperature("untrained_mean_acceptance_length")
+    if live:
+        lines.append(
+            f"live acceptance length (vLLM): {live}"
+            + (f"; untrained drafter {base}" if base else "")
+            + f"  ({Path(run_dir) / 'evaluate' / 'live.json'})"
+        )
+    line = headline_line(entry.get("headline"))
+    if line:
+        lines.append(line)
+    return "\n".join(lines) or None

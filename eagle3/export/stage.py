@@ -149,3 +149,9 @@ def run_export(config: PipelineConfig, logger=None) -> dict:
     if error:
         raise ExportError(error)
     return {**entry, "paths": paths}
+
+
+def summary_line(entry: dict, run_dir: str | Path) -> str:
+    """The CLI's end-of-run line for this stage."""
+    layouts = ", ".join(sorted((entry.get("paths") or {}).keys())) or "see the manifest"
+    return f"export:       {Path(run_dir) / 'export'}  ({layouts})"

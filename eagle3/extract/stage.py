@@ -350,3 +350,20 @@ def online_results(config: PipelineConfig, shards: list[str], the_plan: Plan) ->
         rows = int(read_json(p["tok_done"])["result"]["ok"])
         out.append(ExtractResult(shard, "", rows, rows, the_plan.tokens[shard], 0.0, False))
     return out
+
+
+def precheck(config: PipelineConfig) -> None:
+    """Before a flow run is recorded: the tokenized inputs exist and match, and the disk holds the states."""
+    from eagle3.generate.stage import prepared_shards
+
+    check_disk(config, plan(config, [Path(s).name for s in prepared_shards(config)]))
+
+
+def summary_line(entry: dict, run_dir: str | Path) -> str:
+    """The CLI's end-of-run line for this stage."""
+    run = Path(run_dir)
+    where = f"{run / 'hidden_states'}" if entry["mode"] == "offline" else "computed inside training (online mode)"
+    return (
+        f"hidden states: {where}  (layers {entry['layer_ids']}, {entry['tokens']} tokens, "
+        f"{entry['bytes'] / 2**20:.1f} MiB)"
+    )

@@ -123,3 +123,8 @@ def expected_target(config: PipelineConfig) -> tuple[str, str]:
         return server.served_model_name or server.model, ""
     path = resolve_model(server.model)
     return served_name(server.model, path, server.served_model_name), template_hash(path)
+
+
+def summary_line(entry: dict, run_dir: str | Path) -> str:
+    """The CLI's end-of-run line for this stage."""
+    return f"generations:  {Path(run_dir) / 'generations'}  (failures: shard-*.failed.jsonl; server log: server.log)"

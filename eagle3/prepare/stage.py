@@ -264,3 +264,9 @@ def run_prepare(config: PipelineConfig, logger: logging.Logger | None = None) ->
         dict(tally.reasons),
     )
     return PrepareResult(str(out), tuple(s["name"] for s in shards), entry, fingerprint, False)
+
+
+def summary_line(result, run_dir: str | Path) -> str:
+    """The CLI's end-of-run line for this stage."""
+    run = Path(run_dir)
+    return f"prompts:      {run / 'prompts'}  (rejected rows and reasons: {run / 'prompts' / 'rejected.jsonl'})"

@@ -477,3 +477,9 @@ def record(config: PipelineConfig, results: list[TokenizeResult], tok_path: str)
         template_check={**checks, "mismatch_rate": rate},
         versions=versions("transformers", "tokenizers", "pyarrow"),
     )
+
+
+def summary_line(entry: dict, run_dir: str | Path) -> str:
+    """The CLI's end-of-run line for this stage."""
+    where = Path(run_dir) / "tokenized"
+    return f"tokenized:    {where}  (input_ids + loss_mask Parquet; filtered rows: shard-*.rejected.jsonl)"

@@ -245,3 +245,13 @@ def record(config: PipelineConfig, result: dict, layer_ids: list[int], seconds: 
         config_hash=section_hash(config.train),
         versions=versions("torch"),
     )
+
+
+def summary_line(entry: dict, run_dir: str | Path) -> str:
+    """The CLI's end-of-run line for this stage."""
+    run = Path(run_dir)
+    best = entry.get("best") or {}
+    return (
+        f"drafter:      {run / 'checkpoints'}  (best: step {best.get('step')}, held-out acceptance length "
+        f"{best.get('acceptance_length', 0):.3f}; curves: {run / 'train' / 'curves.png'})"
+    )

@@ -49,3 +49,9 @@ def run_vocab(config: PipelineConfig, shards: list[str], logger=None) -> dict:
         config_hash=section_hash(config.vocab),
         counted="distinct supervised token ids",
     )
+
+
+def summary_line(entry: dict, run_dir) -> str:
+    """The CLI's end-of-run line for this stage."""
+    size, coverage = entry["draft_vocab_size"], 100 * entry["coverage"]
+    return f"draft vocab:  {entry['path']}  ({size} ids, coverage {coverage:.2f}%)"

@@ -343,7 +343,7 @@ def test_eagle3_run_end_to_end_from_the_cli(tmp_path):
         [
             PYTHON,
             "-m",
-            "eagle3.cli",
+            "cli",
             "run",
             "--config",
             str(DEMO_RECIPE),

@@ -64,7 +64,7 @@ def test_smollm2_trains_exports_and_drafts_in_vllm(tmp_path):
         "evaluate.max_tokens=32",
     ]
     result = subprocess.run(
-        [PYTHON, "-m", "eagle3.cli", "run", "--config", str(RECIPE), *(a for s in sets for a in ("--set", s))],
+        [PYTHON, "-m", "cli", "run", "--config", str(RECIPE), *(a for s in sets for a in ("--set", s))],
         capture_output=True,
         text=True,
         env=env,

@@ -115,7 +115,7 @@ def test_the_cli_prints_one_line_for_a_bad_source(tmp_path):
     import subprocess
 
     result = subprocess.run(
-        [sys.executable, "-m", "eagle3.cli", "import-model", str(tmp_path / "x.gguf"), str(tmp_path / "o")],
+        [sys.executable, "-m", "cli", "import-model", str(tmp_path / "x.gguf"), str(tmp_path / "o")],
         capture_output=True,
         text=True,
         timeout=120,

@@ -276,7 +276,7 @@ def test_evaluate_config_knobs_validate():
 
 
 def test_cli_summary_prints_the_headline_line(tmp_path):
-    from eagle3.cli import _summary
+    from cli.main import _summary
     from eagle3.config import load_config
     from eagle3.manifest import StageCounts, record_stage
 

@@ -177,7 +177,7 @@ def test_the_cli_prints_one_line_for_a_missing_model(tmp_path):
         [
             PYTHON,
             "-m",
-            "eagle3.cli",
+            "cli",
             "vocab",
             "--set",
             f'run_dir="{tmp_path / "run"}"',

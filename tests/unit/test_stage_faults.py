@@ -202,7 +202,7 @@ def test_a_disk_error_inside_torchrun_comes_back_as_one_disk_error(tmp_path):
     ],
 )
 def test_the_cli_prints_these_errors_as_one_line(monkeypatch, capsys, error):
-    from eagle3 import cli
+    from cli import main as cli
 
     def fails(args):
         raise error

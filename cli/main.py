@@ -1,10 +1,12 @@
 """The ``eagle3`` command.
 
 Design choices:
-- Only argparse and the config module load at start-up, so ``eagle3 --help`` is instant;
+- Only argparse and the stage registry load at start-up, so ``eagle3 --help`` is instant;
   torch, datasets and Prefect are imported inside the command that needs them.
-- This is the one module of ``eagle3`` that reaches Prefect: it is the entry point that
-  decides how stages run (as Prefect flows). Library modules never import it.
+- The stage subcommands, their help and the end-of-run summary come from ``eagle3.stages``:
+  a new stage appears here without an edit.
+- This package is the entry point that decides how stages run (as Prefect flows), so it may
+  import ``flows/``; the ``eagle3`` library never imports it.
 - Errors a user can fix (config, source, bad rows over the threshold) print one clear
   message and exit 1; a traceback means a bug.
 """
@@ -16,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-STAGE_COMMANDS = ("prepare", "generate", "tokenize", "vocab", "extract", "train", "export", "evaluate")
+from eagle3 import stages
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -41,9 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="eagle3", description="Train an EAGLE-3 drafter for a vLLM-served target model."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _add_config_args(sub.add_parser("run", help="run every stage that is built, as the eagle3-pipeline flow"))
-    for stage in STAGE_COMMANDS:
-        _add_config_args(sub.add_parser(stage, help=f"run stage {stage} alone (flow eagle3-{stage})"))
+    _add_config_args(sub.add_parser("run", help="run every stage in order, as the eagle3-pipeline flow"))
+    for stage in stages.STAGES:
+        _add_config_args(sub.add_parser(stage.name, help=f"{stage.summary} (flow eagle3-{stage.name})"))
     status = sub.add_parser("status", help="accounting per stage, read from RUN_DIR/manifest.json")
     status.add_argument("run_dir", metavar="RUN_DIR")
     tiny = sub.add_parser("make-tiny", help="build the tiny offline test model and tokenizer")
@@ -99,8 +101,10 @@ def _preflight(config, command: str = "run") -> None:
 
 
 def _reads_model_files(config, command: str) -> bool:
-    """Every stage but prepare reads the target's files; generate only when it starts the server."""
-    return command not in ("prepare", "generate") or config.server.mode == "managed"
+    """Whether a run of ``command`` (a stage, or "run": every stage) needs the target's files on disk."""
+    todo = stages.STAGES if command == "run" else (stages.get(command),)
+    managed = config.server.mode == "managed"
+    return any(s.reads_model == "always" or (s.reads_model == "managed" and managed) for s in todo)
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
@@ -133,62 +137,16 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _summary(config, results: dict) -> str:
+    """The status table, then a line per stage that ran (from its own summary_line), then where the rest is."""
     from eagle3.report import status_table
 
     lines = [status_table(config.run_dir), ""]
-    run = Path(config.run_dir)
-    if "prepare" in results:
-        lines.append(
-            f"prompts:      {run / 'prompts'}  (rejected rows and reasons: {run / 'prompts' / 'rejected.jsonl'})"
-        )
-    if "generate" in results:
-        lines.append(f"generations:  {run / 'generations'}  (failures: shard-*.failed.jsonl; server log: server.log)")
-    if "tokenize" in results:
-        lines.append(
-            f"tokenized:    {run / 'tokenized'}  (input_ids + loss_mask Parquet; filtered rows: shard-*.rejected.jsonl)"
-        )
-    if "vocab" in results:
-        v = results["vocab"]
-        lines.append(f"draft vocab:  {v['path']}  ({v['draft_vocab_size']} ids, coverage {100 * v['coverage']:.2f}%)")
-    if "extract" in results:
-        e = results["extract"]
-        where = f"{run / 'hidden_states'}" if e["mode"] == "offline" else "computed inside training (online mode)"
-        lines.append(
-            f"hidden states: {where}  (layers {e['layer_ids']}, {e['tokens']} tokens, {e['bytes'] / 2**20:.1f} MiB)"
-        )
-    if "train" in results:
-        t = results["train"]
-        best = t.get("best") or {}
-        lines.append(
-            f"drafter:      {run / 'checkpoints'}  (best: step {best.get('step')}, held-out acceptance length "
-            f"{best.get('acceptance_length', 0):.3f}; curves: {run / 'train' / 'curves.png'})"
-        )
-    if "export" in results:
-        e = results["export"]
-        lines.append(
-            f"export:       {run / 'export'}  "
-            f"({', '.join(sorted((e.get('paths') or {}).keys())) or 'see the manifest'})"
-        )
-    if "evaluate" in results:
-        from eagle3.evaluate.table import summary_line
-
-        ev = results["evaluate"]
-        live = ", ".join(
-            f"T={t}: {v:.3f}" for t, v in (ev.get("mean_acceptance_length") or {}).items() if v is not None
-        )
-        base = ", ".join(
-            f"T={t}: {v:.3f}" for t, v in (ev.get("untrained_mean_acceptance_length") or {}).items() if v is not None
-        )
-        if live:
-            lines.append(
-                f"live acceptance length (vLLM): {live}"
-                + (f"; untrained drafter {base}" if base else "")
-                + f"  ({run / 'evaluate' / 'live.json'})"
-            )
-        line = summary_line(ev.get("headline"))
-        if line:
-            lines.append(line)
-    lines.append(f"manifest:     {run / 'manifest.json'}")
+    for stage in stages.STAGES:
+        if stage.name in results:
+            line = stages.resolve(stage.summary_line)(results[stage.name], config.run_dir)
+            if line:
+                lines.append(line)
+    lines.append(f"manifest:     {Path(config.run_dir) / 'manifest.json'}")
     if "report" in results:
         lines.append(f"report:       {results['report']}  (also the pipeline-report artifact in the Prefect UI)")
     return "\n".join(lines)
@@ -200,37 +158,25 @@ def cmd_run(args: argparse.Namespace) -> int:
     _prefect_defaults()
     import asyncio
 
-    from flows.pipeline import BUILT, STAGES, pipeline_flow
+    from flows.pipeline import pipeline_flow
 
     results = asyncio.run(pipeline_flow(config))
     print(_summary(config, results))
-    missing = [s for s in STAGES if s not in BUILT]
-    if missing:
-        print(f"not built yet in this version: {', '.join(missing)}")
     return 0
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
     config = _load(args)
     _prefect_defaults()
-    from flows.pipeline import BUILT
-
-    if args.command not in BUILT:
-        print(f"eagle3 {args.command}: this stage is not built yet; built so far: {', '.join(BUILT)}", file=sys.stderr)
-        return 2
-    _preflight(config, args.command)
-    if args.command == "extract":  # its inputs exist already: check them (and the disk) before any flow run
-        from eagle3.extract.stage import check_disk, plan
-        from tasks.tokenize import shard_names
-
-        check_disk(config, plan(config, shard_names(config)))
+    stage = stages.get(args.command)
+    _preflight(config, stage.name)
+    if stage.precheck:  # its inputs exist already: check them before any flow run is recorded
+        stages.resolve(stage.precheck)(config)
     import asyncio
     import inspect
 
-    from flows.pipeline import FLOWS
-
-    outcome = FLOWS[args.command](config)
-    results = {args.command: asyncio.run(outcome) if inspect.isawaitable(outcome) else outcome}
+    outcome = stages.resolve(stage.flow)(config)
+    results = {stage.name: asyncio.run(outcome) if inspect.isawaitable(outcome) else outcome}
     print(_summary(config, results))
     return 0
 
