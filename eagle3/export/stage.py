@@ -4,7 +4,7 @@
   highest ``step-N`` folder; a best.json naming a folder that is gone is an error, not a silent
   fallback to another checkpoint.
 - A layout that cannot hold this drafter (SGLang's Llama-only EAGLE-3 layer for a Qwen3-style
-  drafter, see layouts.py) is skipped with its reason and counted as ``filtered``; any other
+  drafter, see layouts/sglang.py) is skipped with its reason and counted as ``filtered``; any other
   problem fails the stage.
 - Disk decides what is done: a layout folder whose ``export_info.json`` names the same
   checkpoint bytes and settings, and that still validates, is kept as it is.

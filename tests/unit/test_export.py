@@ -1,7 +1,7 @@
 """Export layouts (vllm / speculators / sglang) of a drafter checkpoint built from the tiny targets.
 
 No vLLM here: the layouts are checked against what vLLM's and SGLang's loaders read (see
-eagle3/export/layouts.py); tests/integration/test_live_eval.py serves them for real.
+eagle3/export/layouts/); tests/integration/test_live_eval.py serves them for real.
 """
 
 from __future__ import annotations
