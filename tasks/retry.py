@@ -13,7 +13,7 @@ from __future__ import annotations
 
 PERMANENT = frozenset(
     {
-        "eagle3.config.ConfigError",
+        "eagle3.config.base.ConfigError",
         "eagle3.durable.DiskWriteError",
         "eagle3.durable.UnsafeDeleteError",
         "eagle3.schemas.SchemaError",

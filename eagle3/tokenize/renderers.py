@@ -16,7 +16,7 @@ Scope, so that "the same" is easy to keep true:
 - ``check_rows`` picks rows to render through jinja as well (the first of every batch and every
   ``CHECK_EVERY``-th one); any difference in text or spans raises ``RenderMismatch`` and the
   stage stops: a renderer that drifts from its template is a bug, never a quiet change of ids.
-  tests/unit/test_tokenize.py compares every renderer with jinja on many varied conversations.
+  tests/unit/test_tokenize_fast_paths.py compares every renderer with jinja on many varied conversations.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The fake vLLM server (tests/fake_openai.py) behaves as its fault tests and benchmarks assume.
+"""The fake vLLM server (tests/fake_openai/) behaves as its fault tests and benchmarks assume.
 
 Driven through the real `openai.AsyncOpenAI` client (no retries, explicit timeouts) for what a
 client sees, and raw httpx for the exact wire format.

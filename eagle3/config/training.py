@@ -1,0 +1,242 @@
+"""From answers to a trained drafter: ``[tokenize]``, ``[vocab]``, ``[extract]`` and ``[train]``."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from eagle3.config.base import _Strict
+
+
+class TokenizeConfig(_Strict):
+    """Token ids and loss masks (stage ``tokenize``)."""
+
+    tokenizer: str | None = Field(None, description="Tokenizer to use; default: the target model's (server.model).")
+    max_seq_len: int = Field(
+        4096,
+        gt=0,
+        description=(
+            "Longest training sequence in tokens (prompt + completion). 4096: a long prompt plus a full 2048-token "
+            "answer; public recipes train at 2048, and longer costs memory linearly."
+        ),
+    )
+    overflow: Literal["truncate", "drop"] = Field(
+        "truncate",
+        description=(
+            "What to do with longer sequences: truncate keeps the first max_seq_len tokens (the supervised start of "
+            "a long answer still teaches); drop removes the row with a reason."
+        ),
+    )
+
+
+class VocabConfig(_Strict):
+    """The drafter's output vocabulary (stage ``vocab``)."""
+
+    draft_vocab_size: int = Field(
+        32000,
+        gt=0,
+        description=(
+            "Size of the draft vocabulary: the most frequent supervised tokens. 32000 is EAGLE-3's choice for "
+            "128k-vocab targets; at or above the target vocab the mapping is the identity."
+        ),
+    )
+
+
+class ExtractConfig(_Strict):
+    """The target's hidden states the drafter trains on (stage ``extract``)."""
+
+    mode: Literal["offline", "online"] = Field(
+        "offline",
+        description=(
+            "offline: run the target once over every tokenized shard and store its states (bf16 safetensors, "
+            "tokens x 4 x hidden x 2 bytes); training then reads them and can run for many epochs without the "
+            "target. online: store nothing; training runs the same extraction per batch (the target in memory "
+            "next to the drafter) -- for datasets whose states would not fit on disk. Default offline: cheapest "
+            "for the demo and for more than one epoch."
+        ),
+    )
+    backend: Literal["hf", "vllm"] = Field(
+        "hf",
+        description=(
+            "hf: a transformers forward pass of the target (bf16, device_map across GPUs, CPU works). vllm: "
+            "vLLM's own hidden-state extraction in the server.python environment, the route for targets too big "
+            "for a transformers forward (offline mode only). Default hf: no second environment needed."
+        ),
+    )
+    layer_ids: list[int] | None = Field(
+        None,
+        description=(
+            "The three auxiliary layers in vLLM numbering (id i = the output of decoder layer i-1, before any "
+            "final norm; 1 <= i <= num_hidden_layers). Written into the export, so vLLM feeds the drafter the "
+            "same layers when serving. Default: vLLM's own choice (2, L/2, L-3) where those are distinct, else "
+            "(1, L/2, L-1), so a small target still gives three different layers."
+        ),
+    )
+    batch_tokens: int = Field(
+        16384,
+        gt=0,
+        description=(
+            "Padded tokens per forward pass (samples are bucketed by length, so padding stays small). 16k fits an 8B "
+            "target on one 80 GB GPU with room to spare."
+        ),
+    )
+    dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16",
+        description=(
+            "Dtype the target runs in (states are stored as bf16 either way). bf16 is what vLLM serves in; float32 "
+            "only for small targets and tests."
+        ),
+    )
+    replicas: int = Field(
+        1,
+        ge=1,
+        description=(
+            "Copies of the target, one per GPU (replica r on cuda:r), each extracting its own shards in parallel: "
+            "use the GPU count when one GPU holds the target. 1 with several GPUs: one copy spread over all of "
+            "them (device_map=auto). CPU: keep 1 (one copy already uses every core)."
+        ),
+    )
+    vllm_chunk_tokens: int = Field(
+        65536,
+        gt=0,
+        description=(
+            "vllm backend: tokens per worker run. Each run starts vLLM once (30-60 s on CPU, minutes for a large GPU "
+            "target) and holds its chunk's states in memory (tokens x 4 x hidden x 4 bytes: 4 GiB at 64k tokens "
+            "for hidden 4096), so this trades start-up time against memory."
+        ),
+    )
+    timeout_s: float = Field(
+        7200.0,
+        gt=0,
+        description=(
+            "Deadline for one vllm backend worker run (one chunk): it is killed and the shard fails, to be retried, "
+            "after this."
+        ),
+    )
+
+    @field_validator("layer_ids")
+    @classmethod
+    def _three_ids(cls, value):
+        if value is not None and (len(value) != 3 or len(set(value)) != 3 or min(value) < 1):
+            raise ValueError(f"needs three different layer ids >= 1 (vLLM numbering), got {value}")
+        return value
+
+
+class TrainConfig(_Strict):
+    """Drafter training (stage ``train``)."""
+
+    ttt_steps: int = Field(
+        7,
+        ge=1,
+        description=(
+            "Training-time-test unroll depth K: drafting steps trained per position, each on the drafter's own "
+            "previous output (EAGLE-3 uses 7, so drafts of up to 7 tokens are trained for)."
+        ),
+    )
+    step_weight_decay: float = Field(
+        0.8,
+        gt=0,
+        le=1,
+        description=(
+            "Loss weight of TTT step k is this to the power k (EAGLE-3: 0.8), so early steps, which decide most of "
+            "the acceptance, weigh most."
+        ),
+    )
+    learning_rate: float = Field(
+        1e-4,
+        gt=0,
+        description=(
+            "Peak AdamW learning rate after warmup (EAGLE-3 recipes use 1e-4 to 5e-5 for 8B+ targets over 50k-500k "
+            "samples; small runs need more, see the recipes)."
+        ),
+    )
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="The cosine schedule ends at learning_rate x this.")
+    warmup_fraction: float = Field(
+        0.05, ge=0, lt=1, description="Share of all optimizer steps spent warming the learning rate up linearly."
+    )
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (EAGLE-3 trains without).")
+    grad_clip: float = Field(0.5, gt=0, description="Gradient-norm clip per optimizer step (EAGLE-3 recipes: 0.5).")
+    epochs: int = Field(
+        2,
+        ge=1,
+        description=(
+            "Passes over the training split (public recipes: 2-10 over 50k-500k samples; a second pass still pays)."
+        ),
+    )
+    batch_tokens: int = Field(
+        16384,
+        gt=0,
+        description=(
+            "Padded tokens per micro-batch per process (samples bucketed by length). Global batch = batch_tokens x "
+            "grad_accum x processes. 16k fits an 8B target's drafter with K=7 on one 80 GB GPU."
+        ),
+    )
+    grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step per process.")
+    eval_fraction: float = Field(
+        0.05,
+        gt=0,
+        lt=1,
+        description=(
+            "Share of samples held out (by a hash of their id, so the split is stable across reruns) for evaluation."
+        ),
+    )
+    eval_every_steps: int = Field(
+        0, ge=0, description="Evaluate on the held-out split every N optimizer steps; 0: at the end of each epoch."
+    )
+    save_every_steps: int = Field(
+        200, ge=1, description="Write a resumable checkpoint every N optimizer steps (and always at the end)."
+    )
+    seed: int = Field(
+        0, description="Seeds initialisation and the data order; a rerun with the same seed repeats the same run."
+    )
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp",
+        description=(
+            "ddp: a full drafter copy per process (small drafters: the usual choice). fsdp: shard parameters and "
+            "optimizer state across processes."
+        ),
+    )
+    dtype: Literal["bfloat16", "float32"] = Field(
+        "bfloat16", description="Autocast dtype on GPU (master weights stay float32). CPU training runs in float32."
+    )
+    nproc_per_node: int = Field(
+        1,
+        ge=1,
+        description=(
+            "torchrun --nproc-per-node: processes per node (one per GPU; on CPU, 2 processes already share the cores)."
+        ),
+    )
+    nnodes: int = Field(1, ge=1, description="torchrun --nnodes: nodes in the job.")
+    node_rank: int = Field(0, ge=0, description="torchrun --node-rank of this node (multi-node).")
+    rdzv_endpoint: str = Field(
+        "",
+        description=(
+            "torchrun rendezvous host:port. Empty (single node): torchrun --standalone picks a free local port, so "
+            "two runs on one machine never collide (a fixed port made the second one fail with EADDRINUSE). "
+            "Multi-node: required, an address of node 0 every node reaches."
+        ),
+    )
+    rdzv_id: str = Field("eagle3", description="torchrun rendezvous id shared by the nodes of one job.")
+    timeout_s: float = Field(
+        172800.0,
+        gt=0,
+        description=(
+            "Deadline for the whole torchrun job (48 h); it is stopped after this and the next run resumes from its "
+            "last checkpoint."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _multi_node_needs_an_endpoint(self):
+        if self.nnodes > 1:
+            host, _, port = self.rdzv_endpoint.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(
+                    f"train.nnodes={self.nnodes} needs train.rdzv_endpoint as host:port of node 0 "
+                    f"(got {self.rdzv_endpoint!r}), "
+                    'e.g. --set train.rdzv_endpoint="node0:29400"'
+                )
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"train.node_rank={self.node_rank} must be below train.nnodes={self.nnodes}")
+        return self
