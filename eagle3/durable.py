@@ -304,6 +304,25 @@ def remove_inside(path: str | Path, root: str | Path, *, missing_ok: bool = True
         raise
 
 
+@contextlib.contextmanager
+def atomic_folder(target: str | Path) -> Iterator[Path]:
+    """Yield an empty temporary folder next to ``target`` to fill; on success it replaces ``target``
+    whole (install_folder), on an error it is removed. Its name, ``.TARGET.PID@HOST.partial``, lets a
+    later writer remove it (sweep_orphaned_temporaries) when this process is killed while filling it.
+    A link planted under that name is unlinked, never followed."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f"{owned_prefix(target)}partial")
+    remove_inside(tmp, target.parent, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        install_folder(tmp, target)
+    except BaseException:
+        remove_inside(tmp, target.parent, ignore_errors=True)
+        raise
+
+
 def install_folder(tmp: Path, final: Path) -> None:
     """Move a finished temporary folder onto ``final`` (replacing an older one) durably.
 
@@ -315,7 +334,7 @@ def install_folder(tmp: Path, final: Path) -> None:
                 os.fsync(fh.fileno())
     fsync_dir(tmp)
     old = None
-    if final.exists():
+    if os.path.lexists(final):  # a dangling link too: a folder cannot be renamed onto a link
         old = final.with_name(f"{owned_prefix(final)}{time.monotonic_ns()}.old")
         os.replace(final, old)
     os.replace(tmp, final)

@@ -3,23 +3,21 @@
 The pipeline venv has no vllm: this module writes a request file, runs
 ``vllm_worker.py`` (beside this file) with the vLLM venv's python under a deadline,
 streams the worker's output to a logger and reads back the one safetensors file it
-writes. Only numpy, safetensors, the standard library and eagle3.serving.orphans (the
-worker group dies with this process) are used here.
+writes. Only numpy, safetensors, the standard library and eagle3's durable writes and
+process helper (the worker group dies with this process) are used here.
 """
 
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import os
-import signal
-import subprocess
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
+
+from eagle3.durable import atomic_write_json
 
 logger = logging.getLogger(__name__)
 
@@ -81,21 +79,12 @@ def extract_with_vllm(
     if engine_args:
         request["engine_args"] = dict(engine_args)
     request_path = work_dir / REQUEST_NAME
-    write_json_atomically(request_path, request)
+    atomic_write_json(request_path, request)
 
     tail = run_worker([python, str(WORKER), str(request_path)], env, timeout_s, log, pidfile=work_dir / PIDFILE_NAME)
     if not output.exists():
         raise VllmExtractError(f"vLLM worker exited cleanly but wrote no {output}" + render(tail))
     return read_output(output, samples, len(layer_ids), tail)
-
-
-def write_json_atomically(path: Path, payload: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as handle:
-        json.dump(payload, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
 
 
 def render(tail) -> str:
@@ -106,96 +95,41 @@ def render(tail) -> str:
 def run_worker(
     command: list[str], env: dict | None, timeout_s: float, log, pidfile: Path | None = None
 ) -> collections.deque:
-    """Run the worker in its own process group; return its last output lines.
+    """Run the worker in its own process group (eagle3/proc.py); return its last output lines.
 
-    stdout and stderr share one pipe (vLLM logs to both), read by a thread that
-    forwards each line to ``log`` so a stalled worker cannot block the deadline.
-    The group dies with this process even when it is SIGKILLed (a guard, see
-    eagle3/serving/orphans.py); with ``pidfile``, a worker group that a killed earlier
-    run left behind (guard gone too) is stopped before this one starts.
+    Each output line is forwarded to ``log``. The group dies with this process even when it is
+    SIGKILLed; with ``pidfile``, a worker group that a killed earlier run left behind (guard gone
+    too) is stopped before this one starts.
     """
-    from eagle3.serving import orphans
+    from eagle3 import proc
 
     full_env = dict(os.environ)
     full_env.update({k: str(v) for k, v in (env or {}).items()})
     full_env.setdefault("HF_HUB_OFFLINE", "1")
-    tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
-    if pidfile is not None:
-        orphans.reap_stale(pidfile, KILL_GRACE_S, log)
     began = time.monotonic()
     try:
-        proc = subprocess.Popen(
+        worker = proc.run(
             command,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
+            timeout_s=timeout_s,
+            name="vLLM worker",
+            logger=log,
             env=full_env,
-            start_new_session=True,
-            text=True,
-            errors="replace",
-            bufsize=1,
+            pidfile=pidfile,
+            grace_s=KILL_GRACE_S,
+            prefix="vllm:",
+            tail_lines=TAIL_LINES,
         )
     except OSError as exc:
         raise VllmExtractError(f"cannot start the vLLM worker with {command[0]}: {exc}") from exc
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            line = line.rstrip("\n")
-            tail.append(line)
-            log.info("vllm: %s", line)
-
-    pgid = proc.pid  # start_new_session: the worker leads its own process group
-    orphans.guard_group(pgid, pidfile=pidfile, grace_s=KILL_GRACE_S)
-    reader = threading.Thread(target=pump, name="vllm-worker-log", daemon=True)
-    reader.start()
-    try:
-        rc = proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        kill_group(proc, pgid)
-        reader.join(timeout=5)
+    except proc.DeadlineExceeded as exc:
         raise VllmExtractError(
-            f"vLLM worker exceeded its {timeout_s:g} s timeout and was killed" + render(tail)
+            f"vLLM worker exceeded its {timeout_s:g} s timeout and was killed" + render(exc.tail)
         ) from None
-    except BaseException:
-        kill_group(proc, pgid)
-        orphans.release(pgid)
-        raise
-    # Anything the worker left behind (an engine-core child, say) goes with it.
-    kill_group(proc, pgid, grace_s=2.0)
-    orphans.release(pgid)
-    reader.join(timeout=5)
-    log.info("vLLM worker finished in %.1f s (exit %s)", time.monotonic() - began, rc)
-    if rc != 0:
-        raise VllmExtractError(f"vLLM worker failed (exit {rc})" + render(tail))
+    tail = collections.deque(worker.tail(), maxlen=TAIL_LINES)
+    log.info("vLLM worker finished in %.1f s (exit %s)", time.monotonic() - began, worker.returncode)
+    if worker.returncode != 0:
+        raise VllmExtractError(f"vLLM worker failed (exit {worker.returncode})" + render(tail))
     return tail
-
-
-def kill_group(proc: subprocess.Popen, pgid: int, grace_s: float = KILL_GRACE_S) -> None:
-    """SIGTERM the worker's process group, then SIGKILL whatever is left after ``grace_s``."""
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        if not group_alive(pgid):
-            return
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            if proc.poll() is not None and not group_alive(pgid):
-                return
-            time.sleep(0.05)
-    proc.poll()
-
-
-def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def read_output(path: Path, samples, n_layers: int, tail) -> dict[str, np.ndarray]:

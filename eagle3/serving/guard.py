@@ -75,12 +75,16 @@ def _alive(known: dict[int, int]) -> list[int]:
     )
 
 
-def stop_tree(pgid: int, grace_s: float, kill_wait_s: float) -> list[int]:
+def stop_tree(pgid: int, grace_s: float, kill_wait_s: float, on_kill=None) -> list[int]:
     """SIGTERM the group (its leader shuts its own children down, as torchrun does), wait
     ``grace_s``; then SIGKILL the group and every descendant still running; wait
-    ``kill_wait_s``. Returns the pids still alive at the end."""
+    ``kill_wait_s``. Returns the pids still alive at the end. ``on_kill(pids)`` is called
+    before the SIGKILL, with what outlived the grace."""
     known = tree(pgid)
+    left: list[int] = []
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, kill_wait_s)):
+        if sig == signal.SIGKILL and on_kill is not None:
+            on_kill(left)
         try:
             os.killpg(pgid, sig)
         except ProcessLookupError:

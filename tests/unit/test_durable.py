@@ -121,3 +121,48 @@ def test_an_export_killed_midway_leaves_nothing_after_the_next_export(tmp_path):
     aside.mkdir()
     write_layout(out, {"architectures": ["x"]}, {"w": torch.zeros(2)}, {"layout": "vllm"})
     assert sorted(os.listdir(out.parent)) == ["vllm"]
+
+
+def test_atomic_folder_replaces_the_target_whole_or_leaves_it_as_it_was(tmp_path):
+    from eagle3.durable import atomic_folder
+
+    target = tmp_path / "checkpoints" / "step-000004"
+    with atomic_folder(target) as tmp:
+        assert tmp.parent == target.parent and tmp.name == f"{owned_prefix(target)}partial" and not target.exists()
+        (tmp / "a.bin").write_bytes(b"first")
+    assert sorted(os.listdir(target.parent)) == ["step-000004"] and (target / "a.bin").read_bytes() == b"first"
+
+    try:
+        with atomic_folder(target) as tmp:
+            (tmp / "a.bin").write_bytes(b"half")
+            raise OSError(28, "No space left on device")
+    except OSError as exc:
+        assert exc.errno == 28
+    else:
+        raise AssertionError("the error must reach the caller")
+    assert sorted(os.listdir(target.parent)) == ["step-000004"], "no partial folder left"
+    assert (target / "a.bin").read_bytes() == b"first", "the old folder is untouched"
+
+    with atomic_folder(target) as tmp:
+        (tmp / "b.bin").write_bytes(b"second")
+    assert sorted(os.listdir(target)) == ["b.bin"], "replaced whole, nothing of the old folder kept"
+    assert sorted(os.listdir(target.parent)) == ["step-000004"], "the old folder set aside is removed"
+
+
+def test_atomic_folder_unlinks_planted_links_and_never_follows_them(tmp_path):
+    from eagle3.durable import atomic_folder
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "canary.txt").write_text("alive")
+    folder = tmp_path / "run" / "checkpoints"
+    folder.mkdir(parents=True)
+    target = folder / "step-000002"
+    (folder / f"{owned_prefix(target)}partial").symlink_to(outside, target_is_directory=True)
+    target.symlink_to(tmp_path / "nowhere", target_is_directory=True)  # a dangling link where the folder goes
+    with atomic_folder(target) as tmp:
+        assert not tmp.is_symlink() and tmp.is_dir()
+        (tmp / "w.bin").write_bytes(b"w")
+    assert target.is_dir() and not target.is_symlink() and (target / "w.bin").read_bytes() == b"w"
+    assert sorted(os.listdir(folder)) == ["step-000002"]
+    assert sorted(os.listdir(outside)) == ["canary.txt"] and (outside / "canary.txt").read_text() == "alive"

@@ -11,10 +11,6 @@ from conftest import ROOT
 MAX_LINES = 500
 FOLDERS = ("eagle3", "flows", "tasks", "tests", "benchmarks", "scripts")
 
-# TEMPORARY: modules still over the limit while they are being split elsewhere. Empty this once those
-# splits are merged; test_the_temporary_allow_list_is_not_stale fails as soon as an entry is no longer needed.
-TEMPORARY_OVER_LIMIT = frozenset({"eagle3/export/layouts.py", "eagle3/serving/managed.py"})
-
 
 def line_counts(root: Path, folders=FOLDERS) -> dict[str, int]:
     """Lines of every .py module under ``folders`` of ``root``, by path relative to ``root``."""
@@ -33,14 +29,8 @@ def oversized(counts: dict[str, int], allowed=frozenset()) -> list[str]:
 
 
 def test_no_module_is_over_the_limit():
-    over = oversized(line_counts(ROOT), TEMPORARY_OVER_LIMIT)
+    over = oversized(line_counts(ROOT))
     assert not over, f"modules over {MAX_LINES} lines; split them by topic:\n  " + "\n  ".join(over)
-
-
-def test_the_temporary_allow_list_is_not_stale():
-    counts = line_counts(ROOT)
-    stale = sorted(p for p in TEMPORARY_OVER_LIMIT if counts.get(p, 0) <= MAX_LINES)
-    assert not stale, f"no longer over {MAX_LINES} lines (or gone): remove from TEMPORARY_OVER_LIMIT: {stale}"
 
 
 def test_the_check_names_a_long_module_and_only_it(tmp_path):
