@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 STAGE_COMMANDS = ("prepare", "generate", "tokenize", "vocab", "extract", "train", "export", "evaluate")
 
@@ -133,26 +132,25 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _summary(config, results: dict) -> str:
+    from eagle3.layout import RunLayout
     from eagle3.report import status_table
 
     lines = [status_table(config.run_dir), ""]
-    run = Path(config.run_dir)
+    run = RunLayout.of(config)
     if "prepare" in results:
-        lines.append(
-            f"prompts:      {run / 'prompts'}  (rejected rows and reasons: {run / 'prompts' / 'rejected.jsonl'})"
-        )
+        lines.append(f"prompts:      {run.prompts}  (rejected rows and reasons: {run.prompts_rejected})")
     if "generate" in results:
-        lines.append(f"generations:  {run / 'generations'}  (failures: shard-*.failed.jsonl; server log: server.log)")
+        lines.append(f"generations:  {run.generations}  (failures: shard-*.failed.jsonl; server log: server.log)")
     if "tokenize" in results:
         lines.append(
-            f"tokenized:    {run / 'tokenized'}  (input_ids + loss_mask Parquet; filtered rows: shard-*.rejected.jsonl)"
+            f"tokenized:    {run.tokenized}  (input_ids + loss_mask Parquet; filtered rows: shard-*.rejected.jsonl)"
         )
     if "vocab" in results:
         v = results["vocab"]
         lines.append(f"draft vocab:  {v['path']}  ({v['draft_vocab_size']} ids, coverage {100 * v['coverage']:.2f}%)")
     if "extract" in results:
         e = results["extract"]
-        where = f"{run / 'hidden_states'}" if e["mode"] == "offline" else "computed inside training (online mode)"
+        where = f"{run.hidden_states}" if e["mode"] == "offline" else "computed inside training (online mode)"
         lines.append(
             f"hidden states: {where}  (layers {e['layer_ids']}, {e['tokens']} tokens, {e['bytes'] / 2**20:.1f} MiB)"
         )
@@ -160,14 +158,13 @@ def _summary(config, results: dict) -> str:
         t = results["train"]
         best = t.get("best") or {}
         lines.append(
-            f"drafter:      {run / 'checkpoints'}  (best: step {best.get('step')}, held-out acceptance length "
-            f"{best.get('acceptance_length', 0):.3f}; curves: {run / 'train' / 'curves.png'})"
+            f"drafter:      {run.checkpoints}  (best: step {best.get('step')}, held-out acceptance length "
+            f"{best.get('acceptance_length', 0):.3f}; curves: {run.train_curves})"
         )
     if "export" in results:
         e = results["export"]
         lines.append(
-            f"export:       {run / 'export'}  "
-            f"({', '.join(sorted((e.get('paths') or {}).keys())) or 'see the manifest'})"
+            f"export:       {run.export}  ({', '.join(sorted((e.get('paths') or {}).keys())) or 'see the manifest'})"
         )
     if "evaluate" in results:
         from eagle3.evaluate.table import summary_line
@@ -183,12 +180,12 @@ def _summary(config, results: dict) -> str:
             lines.append(
                 f"live acceptance length (vLLM): {live}"
                 + (f"; untrained drafter {base}" if base else "")
-                + f"  ({run / 'evaluate' / 'live.json'})"
+                + f"  ({run.live})"
             )
         line = summary_line(ev.get("headline"))
         if line:
             lines.append(line)
-    lines.append(f"manifest:     {run / 'manifest.json'}")
+    lines.append(f"manifest:     {run.manifest}")
     if "report" in results:
         lines.append(f"report:       {results['report']}  (also the pipeline-report artifact in the Prefect UI)")
     return "\n".join(lines)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eagle3.manifest import MANIFEST, read_manifest
+from eagle3.layout import RunLayout
+from eagle3.manifest import read_manifest
 
 COLUMNS = ("stage", "status", "in", "ok", "failed", "filtered", "reasons")
 ORDER = ("self_prompts", "prepare", "generate", "tokenize", "vocab", "extract", "train", "export", "evaluate")
@@ -16,7 +17,7 @@ def _reasons(entry: dict) -> str:
 
 
 def status_rows(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / MANIFEST
+    path = RunLayout.of(run_dir).manifest
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: not a run directory, or no stage has finished yet")
     stages = read_manifest(run_dir).get("stages", {})
@@ -44,15 +45,16 @@ def status_table(run_dir: str | Path) -> str:
 
 # -- the run report: one markdown page a person reads --------------------------------------------
 
+# (stage, the RunLayout attribute of its main output, what it holds)
 OUTPUTS = (
-    ("prompts", "prompts/", "prompt shards; rejected rows with reasons in prompts/rejected.jsonl"),
-    ("generate", "generations/", "regenerated answers (JSONL per shard); failures in shard-*.failed.jsonl; server.log"),
-    ("tokenize", "tokenized/", "input_ids + loss_mask Parquet; filtered rows in shard-*.rejected.jsonl"),
-    ("vocab", "vocab/draft_vocab.safetensors", "d2t / t2d"),
-    ("extract", "hidden_states/", "the target's aux and last-layer states (bf16 safetensors per shard)"),
-    ("train", "checkpoints/", "drafter checkpoints; best.json = best held-out acceptance; logs in train/"),
-    ("export", "export/", "vllm / speculators / sglang layouts"),
-    ("evaluate", "evaluate/live.json", "live comparison in vLLM (every cell and visit); server logs beside it"),
+    ("prompts", "prompts", "prompt shards; rejected rows with reasons in prompts/rejected.jsonl"),
+    ("generate", "generations", "regenerated answers (JSONL per shard); failures in shard-*.failed.jsonl; server.log"),
+    ("tokenize", "tokenized", "input_ids + loss_mask Parquet; filtered rows in shard-*.rejected.jsonl"),
+    ("vocab", "draft_vocab", "d2t / t2d"),
+    ("extract", "hidden_states", "the target's aux and last-layer states (bf16 safetensors per shard)"),
+    ("train", "checkpoints", "drafter checkpoints; best.json = best held-out acceptance; logs in train/"),
+    ("export", "export", "vllm / speculators / sglang layouts"),
+    ("evaluate", "live", "live comparison in vLLM (every cell and visit); server logs beside it"),
 )
 
 
@@ -68,7 +70,7 @@ def _live_table(run: Path) -> list[str]:
 
     from eagle3.evaluate.table import markdown_table
 
-    path = run / "evaluate" / "live.json"
+    path = RunLayout.of(run).live
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -150,7 +152,7 @@ def markdown_report(run_dir: str | Path, embed_png: bool = False) -> str:
                 f"({_fmt(best.get('acceptance_length'))})"
             ),
         ]
-        png = run / "train" / "curves.png"
+        png = RunLayout.of(run).train_curves
         if png.exists():
             if embed_png:
                 import base64
@@ -182,16 +184,17 @@ def markdown_report(run_dir: str | Path, embed_png: bool = False) -> str:
         ]
         lines += _live_table(run)
     lines += ["", "## Where everything is", ""]
-    for stage, rel, what in OUTPUTS:
-        if (run / rel).exists():
-            lines.append(f"- `{run / rel}` -- {what}")
-    lines.append(f"- `{run / MANIFEST}` -- the accounting above, per stage, with config hashes and versions")
+    layout = RunLayout.of(run)
+    for stage, attr, what in OUTPUTS:
+        if (where := getattr(layout, attr)).exists():
+            lines.append(f"- `{where}` -- {what}")
+    lines.append(f"- `{layout.manifest}` -- the accounting above, per stage, with config hashes and versions")
     return "\n".join(lines) + "\n"
 
 
 def write_report(run_dir: str | Path) -> Path:
     from eagle3.durable import atomic_write_bytes
 
-    path = Path(run_dir) / "report.md"
+    path = RunLayout.of(run_dir).report
     atomic_write_bytes(path, markdown_report(run_dir).encode())
     return path
