@@ -82,7 +82,7 @@ def _counts(counts: dict, where: Path) -> dict:
     return out
 
 
-def write_marker(path: str | Path, stage: str, key: str | None, counts: dict, **fields: Any) -> Marker:
+def write_marker(path: str | Path, stage: str, key: str | None, counts: dict, /, **fields: Any) -> Marker:
     """Write the completion marker at ``path`` (whole, atomically) and return it as read back.
 
     ``counts`` needs ``in`` and ``ok`` (``failed``/``filtered`` default to 0; extra counts such as

@@ -316,7 +316,8 @@ class Trainer:
     def save(self) -> None:
         model_state, opt_state = self._full_state()
         if self.dist.rank == 0:
-            final = self.layout.checkpoint(self.step)
+            layout = RunLayout.of(self.run)
+            final = layout.checkpoint(self.step)
             tmp = self.ckpt_dir / f"{owned_prefix(final)}partial"
             # A save that a kill cut short left its partial folder under the dead worker's pid (and
             # possibly another step's name, when the schedule changed): removed before this one.
@@ -335,9 +336,9 @@ class Trainer:
                 remove_inside(final, self.run, ignore_errors=True)
                 os.replace(tmp, final)
                 fsync_dir(self.ckpt_dir)
-                atomic_write_json(self.layout.latest_checkpoint, {"step": self.step, "path": str(final.resolve())})
+                atomic_write_json(layout.latest_checkpoint, {"step": self.step, "path": str(final.resolve())})
                 if self.best is not None and self.best["step"] == self.step:
-                    atomic_write_json(self.layout.best_checkpoint, {**self.best, "path": str(final.resolve())})
+                    atomic_write_json(layout.best_checkpoint, {**self.best, "path": str(final.resolve())})
         self.dist.barrier()
 
     def _write_checkpoint(self, tmp: Path, model_state, opt_state) -> None:
