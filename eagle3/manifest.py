@@ -20,8 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.durable import atomic_write_json, read_json
-
-MANIFEST = "manifest.json"
+from eagle3.layout import RunLayout
 
 
 class AccountingError(RuntimeError):
@@ -69,16 +68,16 @@ def record_stage(run_dir: str | Path, stage: str, counts: StageCounts, **extra: 
     """Check the counts and write them as ``stage``'s entry of the run manifest."""
     counts.check(stage)
     entry = {**counts.as_dict(), **extra, "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with open(run_dir / f".{MANIFEST}.lock", "w") as lock:
+    layout = RunLayout.of(run_dir)
+    layout.root.mkdir(parents=True, exist_ok=True)
+    with open(layout.manifest_lock, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         manifest = read_manifest(run_dir)
         manifest.setdefault("stages", {})[stage] = entry
-        atomic_write_json(run_dir / MANIFEST, manifest)
+        atomic_write_json(layout.manifest, manifest)
     return entry
 
 
 def read_manifest(run_dir: str | Path) -> dict:
-    path = Path(run_dir) / MANIFEST
+    path = RunLayout.of(run_dir).manifest
     return read_json(path) if path.exists() else {"stages": {}}

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from eagle3 import stages
-from eagle3.manifest import MANIFEST, read_manifest
+from eagle3.layout import RunLayout
+from eagle3.manifest import read_manifest
 
 COLUMNS = ("stage", "status", "in", "ok", "failed", "filtered", "reasons")
 
@@ -16,7 +17,7 @@ def _reasons(entry: dict) -> str:
 
 
 def status_rows(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / MANIFEST
+    path = RunLayout.of(run_dir).manifest
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: not a run directory, or no stage has finished yet")
     entries = read_manifest(run_dir).get("stages", {})
@@ -58,7 +59,7 @@ def _live_table(run: Path) -> list[str]:
 
     from eagle3.evaluate.table import markdown_table
 
-    path = run / "evaluate" / "live.json"
+    path = RunLayout.of(run).live
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -140,7 +141,7 @@ def markdown_report(run_dir: str | Path, embed_png: bool = False) -> str:
                 f"({_fmt(best.get('acceptance_length'))})"
             ),
         ]
-        png = run / "train" / "curves.png"
+        png = RunLayout.of(run).train_curves
         if png.exists():
             if embed_png:
                 import base64
@@ -175,13 +176,15 @@ def markdown_report(run_dir: str | Path, embed_png: bool = False) -> str:
     for stage in stages.STAGES:
         if (run / stage.output).exists():
             lines.append(f"- `{run / stage.output}` -- {stage.outputs_doc}")
-    lines.append(f"- `{run / MANIFEST}` -- the accounting above, per stage, with config hashes and versions")
+    lines.append(
+        f"- `{RunLayout.of(run).manifest}` -- the accounting above, per stage, with config hashes and versions"
+    )
     return "\n".join(lines) + "\n"
 
 
 def write_report(run_dir: str | Path) -> Path:
     from eagle3.durable import atomic_write_bytes
 
-    path = Path(run_dir) / "report.md"
+    path = RunLayout.of(run_dir).report
     atomic_write_bytes(path, markdown_report(run_dir).encode())
     return path

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 from prefect import flow, get_run_logger
 
@@ -30,7 +29,7 @@ async def generate_flow(config: PipelineConfig = PipelineConfig()) -> dict:
     per_shard = max(1, gen.concurrency // parallel)
     limit = asyncio.Semaphore(parallel)
     model, template = expected_target(config)
-    out = Path(config.run_dir) / "generations"
+    out = stage.out_dir(config)
     if shards and all(is_complete(s, out, gen, model, template) for s in shards):
         # A nightly run with no new or changed prompt: no server start, no request.
         get_run_logger().info(

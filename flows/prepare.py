@@ -11,6 +11,7 @@ from prefect import flow, get_run_logger
 from prefect.utilities.asyncutils import run_coro_as_sync
 
 from eagle3.config import PipelineConfig
+from eagle3.layout import RunLayout
 from eagle3.prepare.self_prompts import Plan, is_self_source, marker_current
 from eagle3.prepare.stage import PrepareResult
 from eagle3.serving.target import target_server
@@ -38,6 +39,6 @@ def prepare_flow(config: PipelineConfig = PipelineConfig()) -> PrepareResult:
         else:
             get_run_logger().info(
                 "self_prompts: %s matches these settings; no server started",
-                config.run_dir + "/prompts/self/prompts.jsonl",
+                RunLayout.of(config).self_prompts_file,
             )
     return prepare_task(config)

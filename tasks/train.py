@@ -20,6 +20,7 @@ from prefect.artifacts import (
 from prefect.cache_policies import NO_CACHE
 
 from eagle3.config import PipelineConfig
+from eagle3.layout import RunLayout
 from tasks.retry import unless_permanent
 
 
@@ -46,13 +47,13 @@ def train_task(config: PipelineConfig, shards: list[str]) -> dict:
 def train_report_task(config: PipelineConfig, entry: dict) -> dict:
     from eagle3.train.plots import plot_curves
 
-    run = Path(config.run_dir) / "train"
+    layout = RunLayout.of(config)
     evals = (
-        [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines() if x.strip()]
-        if (run / "eval.jsonl").exists()
+        [json.loads(x) for x in layout.train_eval.read_text().splitlines() if x.strip()]
+        if layout.train_eval.exists()
         else []
     )
-    png = plot_curves(run / "log.jsonl", run / "eval.jsonl", run / "curves.png")
+    png = plot_curves(layout.train_log, layout.train_eval, layout.train_curves)
     rows = [
         {
             "step": e["step"],

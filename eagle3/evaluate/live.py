@@ -26,6 +26,7 @@ from eagle3.evaluate import matrix, servers
 from eagle3.evaluate.measure import DECODE_RATE_DEFINITION
 from eagle3.evaluate.metrics import fetch_metrics, metrics_delta, parse_spec_metrics  # noqa: F401  (re-exported)
 from eagle3.evaluate.prompts import MissingInput, prompt_sets, select_prompts  # noqa: F401  (re-exported)
+from eagle3.layout import RunLayout
 from eagle3.manifest import StageCounts, record_stage, versions
 
 STAGE = "evaluate"
@@ -134,7 +135,7 @@ def offline_estimate(run_dir: str | Path) -> dict | None:
     """The last line of training's held-out evaluation (RUN/train/eval.jsonl), if any."""
     import json
 
-    path = Path(run_dir) / "train" / "eval.jsonl"
+    path = RunLayout.of(run_dir).train_eval
     if not path.exists():
         return None
     lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
@@ -175,25 +176,25 @@ def _by_temperature(cells: list[dict], method: str, key: str, where: dict) -> di
 
 def run_evaluate(config: PipelineConfig, logger=None) -> dict:
     """Measure RUN/export/vllm live; write RUN/evaluate/live.json and the manifest entry."""
-    run = Path(config.run_dir)
-    drafter = run / "export" / "vllm"
+    layout = RunLayout.of(config)
+    drafter = layout.export_layout("vllm")
     wants_drafter = any(m in servers.DRAFTER_METHODS for m in matrix.methods_of(config))
     if wants_drafter and not (drafter / "config.json").exists():
         raise MissingInput(
             f"{drafter} holds no exported drafter: run the export stage first (export.formats must include vllm)"
         )
-    out = run / "evaluate"
+    out = layout.evaluate
     doc = measure_live(config, drafter if wants_drafter else None, out_dir=out, logger=logger)
     info_path = drafter / "export_info.json"
     doc.update(
         {
             "export_info": read_json(info_path) if info_path.exists() else None,
-            "offline_estimate": offline_estimate(run),
+            "offline_estimate": offline_estimate(layout.root),
             "evaluate_config": config.evaluate.model_dump(mode="json"),
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
     )
-    atomic_write_json(out / "live.json", doc)
+    atomic_write_json(layout.live, doc)
     cells, head = doc["cells"], doc["headline"]
     errors = Counter()
     for c in cells:
@@ -208,12 +209,12 @@ def run_evaluate(config: PipelineConfig, logger=None) -> dict:
         dict(errors),
     )
     entry = record_stage(
-        run,
+        layout.root,
         STAGE,
         counts,
         status="failed" if bad else "ok",
         error="; ".join(bad) or None,
-        path=str(out / "live.json"),
+        path=str(layout.live),
         headline=head,
         headline_all_temperatures={f"{t:g}": headline(doc, t) for t in matrix.temperatures(config)},
         mean_acceptance_length=_by_temperature(cells, "trained", "mean_acceptance_length", where),
@@ -225,7 +226,7 @@ def run_evaluate(config: PipelineConfig, logger=None) -> dict:
         versions=versions("httpx"),
     )
     if bad:
-        raise EvaluationFailed(f"evaluate: {'; '.join(bad)}; see {out / 'live.json'} and the server logs in {out}")
+        raise EvaluationFailed(f"evaluate: {'; '.join(bad)}; see {layout.live} and the server logs in {out}")
     return {**entry, "live": doc}
 
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from eagle3.layout import RunLayout
+
 PROMPT_SETS = ("heldout", "external")
 
 
@@ -34,7 +36,7 @@ def _order(sample_id: str) -> str:
 def _run_prompts(run_dir: str | Path) -> list[dict]:
     import pyarrow.parquet as pq
 
-    folder = Path(run_dir) / "prompts"
+    folder = RunLayout.of(run_dir).prompts
     shards = sorted(folder.glob("shard-*.parquet"))
     if not shards:
         raise MissingInput(f"no prompt shards (shard-*.parquet) in {folder}: run the prepare stage first")

@@ -27,10 +27,14 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from eagle3.config import PipelineConfig, section_hash
-from eagle3.durable import atomic_write_json, read_json, remove_inside, sha256_file, writing
+from eagle3.durable import atomic_write_json, remove_inside, sha256_file, writing
 from eagle3.extract.errors import DiskSpaceError, ExtractInputError, StatesError
 from eagle3.extract.store import StatesWriter, states_bytes
+from eagle3.layout import RunLayout
+from eagle3.markers import Marker, read_marker, remove_marker, write_marker
+from eagle3.tokenize.stage import read_done as read_tokenized_done
 
+STAGE = "extract"
 DISK_MARGIN = 1.02  # headers, index files and filesystem slack on top of the tensors themselves
 
 
@@ -52,15 +56,18 @@ def model_path(config: PipelineConfig) -> str:
 
 
 def _paths(run_dir: Path, shard: str) -> dict[str, Path]:
-    stem = shard.removesuffix(".parquet")
-    out = run_dir / "hidden_states"
-    return {
-        "tokenized": run_dir / "tokenized" / shard,
-        "tok_done": run_dir / "tokenized" / f"{stem}.done.json",
-        "states": out / f"{stem}.safetensors",
-        "index": out / f"{stem}.index.json",
-        "done": out / f"{stem}.done.json",
-    }
+    layout = RunLayout.of(run_dir)
+    tokenized = layout.tokenized_files(shard)
+    return {"tokenized": tokenized["parquet"], "tok_done": tokenized["done"], **layout.states_files(shard)}
+
+
+def _tokenized_marker(p: dict, shard: str) -> Marker:
+    marker = read_tokenized_done(p["tok_done"])
+    if marker is None:
+        raise ExtractInputError(
+            f"{p['tok_done']} not found: shard {shard} has not been tokenized (run `eagle3 tokenize`)"
+        )
+    return marker
 
 
 def _key(config: PipelineConfig, tokenized_sha: str, fingerprint: str, layer_ids: list[int]) -> str:
@@ -70,10 +77,7 @@ def _key(config: PipelineConfig, tokenized_sha: str, fingerprint: str, layer_ids
 
 
 def _tokenized(p: dict, shard: str) -> tuple[list[str], list[list[int]]]:
-    if not p["tok_done"].exists():
-        raise ExtractInputError(
-            f"{p['tok_done']} not found: shard {shard} has not been tokenized (run `eagle3 tokenize`)"
-        )
+    _tokenized_marker(p, shard)
     try:
         table = pq.read_table(p["tokenized"], columns=["id", "input_ids", "num_tokens"])
     except Exception as exc:
@@ -126,18 +130,14 @@ def plan(config: PipelineConfig, shards: list[str]) -> Plan:
     keys, done, tokens = {}, {}, {}
     for shard in shards:
         p = _paths(Path(config.run_dir), shard)
-        if not p["tok_done"].exists():
-            raise ExtractInputError(
-                f"{p['tok_done']} not found: shard {shard} has not been tokenized (run `eagle3 tokenize`)"
-            )
-        marker = read_json(p["tok_done"])
+        marker = _tokenized_marker(p, shard)
         if not p["tokenized"].exists() or sha256_file(p["tokenized"]) != marker["parquet_sha256"]:
             raise ExtractInputError(
                 f"{p['tokenized']} is missing or differs from what the tokenize stage wrote (its hash is in "
                 f"{p['tok_done'].name}): truncated or replaced; run `eagle3 tokenize` again"
             )
         check_schema(p["tokenized"], (TOKENIZED_IDS, TOKENIZED_INPUT_IDS, TOKENIZED_NUM_TOKENS), "tokenized shard")
-        check_tokenizer(marker, p["tok_done"], tok_path, tok_hash, "extract")
+        check_tokenizer(marker.fields, p["tok_done"], tok_path, tok_hash, "extract")
         keys[shard] = _key(config, marker["parquet_sha256"], fingerprint, layer_ids)
         tokens[shard] = int(marker["result"]["tokens"])
         done[shard] = _is_done(p, keys[shard])
@@ -145,10 +145,10 @@ def plan(config: PipelineConfig, shards: list[str]) -> Plan:
 
 
 def _is_done(p: dict, key: str) -> bool:
-    if not (p["done"].exists() and p["states"].exists()):
+    done = read_marker(p["done"], STAGE)
+    if done is None or not p["states"].exists():
         return False
-    done = read_json(p["done"])
-    return done.get("key") == key and p["states"].stat().st_size == done.get("bytes")
+    return done.key == key and p["states"].stat().st_size == done.get("bytes")
 
 
 def check_disk(config: PipelineConfig, the_plan: Plan) -> None:
@@ -156,7 +156,7 @@ def check_disk(config: PipelineConfig, the_plan: Plan) -> None:
     need = the_plan.bytes_needed
     if config.extract.mode == "online" or need == 0:
         return
-    out = Path(config.run_dir) / "hidden_states"
+    out = RunLayout.of(config).hidden_states
     out.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out).free
     if free < need:
@@ -184,9 +184,9 @@ def extract_shard(
     p = _paths(Path(config.run_dir), shard)
     key = the_plan.keys[shard]
     if _is_done(p, key):
-        result = read_json(p["done"])["result"]
+        result = read_marker(p["done"], STAGE)["result"]
         return ExtractResult(**{**result, "skipped": True})
-    remove_inside(p["done"], config.run_dir)
+    remove_marker(p["done"], config.run_dir)
     ids, seqs = _tokenized(p, shard)
     started = time.perf_counter()
     hs = config.extract
@@ -220,13 +220,13 @@ def extract_shard(
         },
     )
     result = ExtractResult(shard, str(p["states"]), len(ids), len(ids), tokens, round(seconds, 3), False)
-    atomic_write_json(
+    write_marker(
         p["done"],
-        {
-            "key": key,
-            "bytes": p["states"].stat().st_size,
-            "result": {k: v for k, v in result.__dict__.items() if k != "skipped"},
-        },
+        STAGE,
+        key,
+        {"in": result.in_, "ok": result.ok},
+        bytes=p["states"].stat().st_size,
+        result={k: v for k, v in result.__dict__.items() if k != "skipped"},
     )
     log.info(
         "%s: %d samples, %d tokens -> %s in %.1f s (%.0f tokens/s)",
@@ -267,7 +267,7 @@ def _fill_with_vllm(config, shard: str, ids, seqs, the_plan: Plan, writer: State
 
     hs = config.extract
     layers = [*the_plan.layer_ids, _num_layers(config)]
-    work = Path(config.run_dir) / "hidden_states" / f".vllm-{shard.removesuffix('.parquet')}"
+    work = RunLayout.of(config).vllm_work(shard)
     chunks, current, tokens = [], [], 0
     for k, seq in enumerate(seqs):
         if current and tokens + len(seq) > hs.vllm_chunk_tokens:
@@ -317,7 +317,7 @@ def write_online(config: PipelineConfig, the_plan: Plan, shards: list[str]) -> d
         "shards": shards,
         "tokens": sum(the_plan.tokens.values()),
     }
-    atomic_write_json(Path(config.run_dir) / "hidden_states" / "online.json", settings)
+    atomic_write_json(RunLayout.of(config).online, settings)
     return settings
 
 
@@ -327,7 +327,7 @@ def record(config: PipelineConfig, results: list[ExtractResult], the_plan: Plan)
     counts = StageCounts(sum(r.in_ for r in results), sum(r.ok for r in results))
     return record_stage(
         config.run_dir,
-        "extract",
+        STAGE,
         counts,
         status="ok",
         mode=config.extract.mode,
@@ -347,7 +347,7 @@ def online_results(config: PipelineConfig, shards: list[str], the_plan: Plan) ->
     out = []
     for shard in shards:
         p = _paths(Path(config.run_dir), shard)
-        rows = int(read_json(p["tok_done"])["result"]["ok"])
+        rows = int(_tokenized_marker(p, shard)["result"]["ok"])
         out.append(ExtractResult(shard, "", rows, rows, the_plan.tokens[shard], 0.0, False))
     return out
 

@@ -41,9 +41,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from eagle3.config import GenerationConfig
-from eagle3.durable import atomic_write_json, read_json, remove_inside, sha256_file, writing
+from eagle3.durable import atomic_write_json, read_json, sha256_file, writing
 from eagle3.generate.client import EndpointPool, Stats, deadline_s, request_with_retries
 from eagle3.generate.records import JsonlAppender, read_ids
+from eagle3.layout import generation_files
+from eagle3.markers import Marker, read_marker, remove_marker, write_marker
 from eagle3.schemas import PROMPT_COLUMNS, check_schema
 
 
@@ -81,17 +83,11 @@ def generation_key(model: str, gen: GenerationConfig, template_hash: str) -> str
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
+STAGE = "generate"
+
+
 def paths(out_dir: Path, shard_file: str) -> dict[str, Path]:
-    stem = shard_file.removesuffix(".parquet")
-    names = {
-        "ok": ".jsonl",
-        "filtered": ".filtered.jsonl",
-        "failed": ".failed.jsonl",
-        "meta": ".meta.json",
-        "done": ".done.json",
-        "lock": ".lock",
-    }
-    return {k: out_dir / f"{stem}{suffix}" for k, suffix in names.items()}
+    return generation_files(out_dir, shard_file)
 
 
 def load_prompts(shard_path: Path) -> list[tuple[str, list[dict]]]:
@@ -101,8 +97,8 @@ def load_prompts(shard_path: Path) -> list[tuple[str, list[dict]]]:
     return list(zip(table.column("id").to_pylist(), table.column("messages").to_pylist()))
 
 
-def _result_from_marker(p: dict[str, Path], shard_file: str, marker: dict) -> ShardResult:
-    c = marker["counts"]
+def _result_from_marker(p: dict[str, Path], shard_file: str, marker: Marker) -> ShardResult:
+    c = marker.counts
     return ShardResult(
         shard_file,
         str(p["ok"]),
@@ -116,11 +112,11 @@ def _result_from_marker(p: dict[str, Path], shard_file: str, marker: dict) -> Sh
     )
 
 
-def _current_marker(p: dict[str, Path], key: str, input_sha: str) -> dict | None:
-    if not p["done"].exists():
+def _current_marker(p: dict[str, Path], key: str, input_sha: str) -> Marker | None:
+    marker = read_marker(p["done"], STAGE)
+    if marker is None:
         return None
-    marker = read_json(p["done"])
-    ok = marker.get("key") == key and marker.get("input_sha256") == input_sha and marker["counts"]["retryable"] == 0
+    ok = marker.key == key and marker.get("input_sha256") == input_sha and marker.counts["retryable"] == 0
     return marker if ok else None
 
 
@@ -262,7 +258,7 @@ async def generate_shard(
                     "sampling": {"max_tokens": gen.max_tokens, "temperature": gen.temperature, "top_p": gen.top_p},
                 },
             )
-        remove_inside(p["done"], out_dir)
+        remove_marker(p["done"], out_dir)
         ok_ids, filtered_ids = _done_ids(p, log)
         workers = concurrency or gen.concurrency
         return await _generate(
@@ -354,18 +350,16 @@ def _finish(p, shard_file, ids, run: _Run, key, input_sha, log, progress) -> Sha
     for r in failed.values():
         errors[r["error_kind"]] = errors.get(r["error_kind"], 0) + 1
     snapshot = run.stats.snapshot()
-    with writing(p["done"], "generate"):
-        atomic_write_json(
-            p["done"],
-            {
-                "key": key,
-                "input_sha256": input_sha,
-                "counts": counts,
-                "errors": errors,
-                "retries": snapshot["retries"],
-                "stats": snapshot,
-            },
-        )
+    write_marker(
+        p["done"],
+        STAGE,
+        key,
+        counts,
+        input_sha256=input_sha,
+        errors=errors,
+        retries=snapshot["retries"],
+        stats=snapshot,
+    )
     if progress:
         progress(snapshot)
     log.info(

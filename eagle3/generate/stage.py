@@ -10,12 +10,11 @@ import math
 from pathlib import Path
 
 from eagle3.config import GenerationConfig, PipelineConfig, section_hash
-from eagle3.durable import read_json
 from eagle3.generate.client import deadline_s
-from eagle3.generate.shard import paths
+from eagle3.generate.shard import STAGE, paths
+from eagle3.layout import RunLayout
 from eagle3.manifest import StageCounts, record_stage, versions
-
-STAGE = "generate"
+from eagle3.markers import read_marker
 
 
 class GenerationFailed(RuntimeError):
@@ -27,15 +26,20 @@ class MissingInputError(RuntimeError):
 
 
 def out_dir(config: PipelineConfig) -> Path:
-    return Path(config.run_dir) / "generations"
+    return RunLayout.of(config).generations
 
 
 def prepared_shards(config: PipelineConfig) -> dict[Path, int]:
     """The prompt shards named by prepare's completion marker, with their row counts."""
-    marker = Path(config.run_dir) / "prompts" / "_SUCCESS.json"
-    if not marker.exists():
-        raise MissingInputError(f"{marker} not found: run the prepare stage first (eagle3 prepare, or eagle3 run)")
-    return {marker.parent / s["name"]: s["rows"] for s in read_json(marker)["shards"]}
+    from eagle3.prepare.stage import STAGE as PREPARE
+
+    layout = RunLayout.of(config)
+    marker = read_marker(layout.prompts_marker, PREPARE)
+    if marker is None:
+        raise MissingInputError(
+            f"{layout.prompts_marker} not found: run the prepare stage first (eagle3 prepare, or eagle3 run)"
+        )
+    return {layout.prompt_shard(s["name"]): s["rows"] for s in marker["shards"]}
 
 
 def shard_timeout_s(num_prompts: int, concurrency: int, gen: GenerationConfig) -> float:
@@ -51,10 +55,9 @@ def summarize(config: PipelineConfig, shards: list[Path]) -> dict:
     errors: dict[str, int] = {}
     incomplete = []
     for shard in shards:
-        marker = paths(out_dir(config), shard.name)["done"]
-        if marker.exists():
-            done = read_json(marker)
-            counts, kinds = done["counts"], done["errors"]
+        done = read_marker(paths(out_dir(config), shard.name)["done"], STAGE)
+        if done is not None:
+            counts, kinds = done.counts, done["errors"]
         else:
             counts, kinds = _unfinished(config, shard), {"shard_incomplete": None}
             incomplete.append(shard.name)

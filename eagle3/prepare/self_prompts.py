@@ -43,16 +43,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from eagle3.config import GenerationConfig, PipelineConfig, SelfPromptsConfig, section_hash
-from eagle3.durable import atomic_write_bytes, atomic_write_json, read_json, sha256_file
+from eagle3.durable import atomic_write_bytes, sha256_file
 from eagle3.generate.client import EndpointPool, Stats, request_with_retries
 from eagle3.generate.records import JsonlAppender, iter_records
+from eagle3.layout import STAGE_MARKER, RunLayout
 from eagle3.manifest import StageCounts, record_stage
+from eagle3.markers import Marker, read_marker, write_marker
 from eagle3.prepare.dedup import NearDuplicates
 from eagle3.prepare.turn_prefix import TurnPrefix, derive_all
 
 SELF_SOURCE = "self:prompts"
 STAGE = "self_prompts"
-MARKER = "_SUCCESS.json"
+MARKER = STAGE_MARKER  # prompts/self/done.json
 PROGRESS_EVERY_S = 15.0
 
 
@@ -65,11 +67,11 @@ def is_self_source(spec: str) -> bool:
 
 
 def out_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "prompts" / "self"
+    return RunLayout.of(run_dir).self_prompts
 
 
 def prompts_file(run_dir: str | Path) -> Path:
-    return out_dir(run_dir) / "prompts.jsonl"
+    return RunLayout.of(run_dir).self_prompts_file
 
 
 # -- the plan: what each request asks -------------------------------------------------------------
@@ -82,10 +84,6 @@ class Plan:
     model: str
     prefixes: tuple[TurnPrefix, ...]
     key: str
-
-    @property
-    def raw_file_name(self) -> str:
-        return f"requests-{self.key}.jsonl"
 
 
 def make_plan(config: PipelineConfig) -> Plan:
@@ -367,16 +365,15 @@ async def _collect(run: _Run, gen: GenerationConfig) -> None:
 # -- the whole step -----------------------------------------------------------------------------------
 
 
-def marker_current(config: PipelineConfig, plan: Plan) -> dict | None:
+def marker_current(config: PipelineConfig, plan: Plan) -> Marker | None:
     """The completion marker when it matches these settings and prompts.jsonl is what it wrote."""
-    marker = out_dir(config.run_dir) / MARKER
-    if not marker.exists() or not prompts_file(config.run_dir).exists():
+    layout = RunLayout.of(config)
+    done = read_marker(layout.self_prompts_marker, STAGE)
+    if done is None or not layout.self_prompts_file.exists():
         return None
-    done = read_json(marker)
-    current = {"key": plan.key, "filters": _filters_hash(config.data.self_prompts)}
-    if any(done.get(k) != v for k, v in current.items()):
+    if done.key != plan.key or done.get("filters") != _filters_hash(config.data.self_prompts):
         return None
-    return done if sha256_file(prompts_file(config.run_dir)) == done.get("prompts_sha256") else None
+    return done if sha256_file(layout.self_prompts_file) == done.get("prompts_sha256") else None
 
 
 def _write_if_changed(path: Path, data: bytes) -> None:
@@ -390,9 +387,9 @@ def _jsonl(rows: list[dict]) -> bytes:
 
 
 def _finish(config: PipelineConfig, plan: Plan, run: _Run, log: logging.Logger) -> dict:
-    sp, sel, folder = config.data.self_prompts, run.selector, out_dir(config.run_dir)
-    _write_if_changed(folder / "rejected.jsonl", _jsonl(sel.rejected))
-    _write_if_changed(prompts_file(config.run_dir), _jsonl(sel.kept))
+    sp, sel, layout = config.data.self_prompts, run.selector, RunLayout.of(config)
+    _write_if_changed(layout.self_prompts_rejected, _jsonl(sel.rejected))
+    _write_if_changed(layout.self_prompts_file, _jsonl(sel.kept))
     counts = sel.counts()
     error = _error(config, counts)
     entry = record_stage(
@@ -405,7 +402,7 @@ def _finish(config: PipelineConfig, plan: Plan, run: _Run, log: logging.Logger) 
         requests_judged=sel.requests,
         requests_asked=run.asked,
         requests_on_disk=len(run.finished),
-        raw_file=str(folder / plan.raw_file_name),
+        raw_file=str(layout.self_prompts_requests(plan.key)),
         prefixes=[asdict(p) for p in plan.prefixes],
         config_hash=section_hash(sp),
     )
@@ -422,14 +419,14 @@ def _finish(config: PipelineConfig, plan: Plan, run: _Run, log: logging.Logger) 
             max_requests(sp),
             dict(sel.reasons),
         )
-    atomic_write_json(
-        folder / MARKER,
-        {
-            "key": plan.key,
-            "filters": _filters_hash(sp),
-            "prompts_sha256": sha256_file(prompts_file(config.run_dir)),
-            "counts": entry,
-        },
+    write_marker(
+        layout.self_prompts_marker,
+        STAGE,
+        plan.key,
+        counts.as_dict(),
+        filters=_filters_hash(sp),
+        prompts_sha256=sha256_file(layout.self_prompts_file),
+        manifest_entry=entry,
     )
     log.info(
         "self_prompts: %d prompts kept of %d samples (%d requests, %d asked now); filtered %s",
@@ -443,7 +440,7 @@ def _finish(config: PipelineConfig, plan: Plan, run: _Run, log: logging.Logger) 
 
 
 def _error(config: PipelineConfig, counts: StageCounts) -> str | None:
-    where = out_dir(config.run_dir) / "rejected.jsonl"
+    where = RunLayout.of(config).self_prompts_rejected
     if counts.in_ and counts.failed / counts.in_ > config.generation.max_failure_fraction:
         return (
             f"self_prompts: {counts.failed} of {counts.in_} samples failed ({counts.failed / counts.in_:.0%} > "
@@ -460,9 +457,9 @@ async def collect(
 ) -> dict:
     """Ask the served target for user turns until data.self_prompts.count pass the filters; write the outputs."""
     log = logger or logging.getLogger(__name__)
-    sp, folder = config.data.self_prompts, out_dir(config.run_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    raw = folder / plan.raw_file_name
+    sp, layout = config.data.self_prompts, RunLayout.of(config)
+    layout.self_prompts.mkdir(parents=True, exist_ok=True)
+    raw = layout.self_prompts_requests(plan.key)
     finished = finished_requests(raw, plan.key, log)
     if finished:
         log.info("self_prompts: %d requests answered on disk (%s) are reused", len(finished), raw)

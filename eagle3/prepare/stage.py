@@ -12,8 +12,8 @@ Design choices:
   settings match the completion marker does nothing; otherwise shards are rebuilt in a
   temporary file and only replace the old file when their bytes differ, so a deleted
   shard is rebuilt and its siblings stay untouched.
-- The completion marker ``prompts/_SUCCESS.json`` is removed first and written last:
-  a killed run never leaves a marker over partial output.
+- The completion marker ``prompts/done.json`` (eagle3/markers.py) is removed first and written
+  last: a killed run never leaves a marker over partial output.
 - Memory stays bounded: rows stream into per-shard Parquet writers; only the set of
   seen ids is kept.
 """
@@ -31,13 +31,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eagle3.config import DataConfig, PipelineConfig, section_hash
-from eagle3.durable import atomic_path, atomic_write_json, install_file, read_json, remove_inside, sha256_file
+from eagle3.durable import atomic_path, install_file, remove_inside, sha256_file
+from eagle3.layout import STAGE_MARKER, RunLayout
 from eagle3.manifest import StageCounts, record_stage, versions
+from eagle3.markers import Marker, read_marker, remove_marker, write_marker
 from eagle3.prepare.normalize import Prompt, Rejected, candidates
 from eagle3.prepare.sources import Source
 
 STAGE = "prepare"
-MARKER = "_SUCCESS.json"
+MARKER = STAGE_MARKER  # prompts/done.json
 ROW_GROUP = 1000
 
 SCHEMA = pa.schema(
@@ -118,18 +120,20 @@ def _fingerprint(data: DataConfig, source: Source) -> str:
     return hashlib.sha256(f"{section_hash(data)}:{source.fingerprint()}".encode()).hexdigest()[:16]
 
 
-def _up_to_date(out: Path, fingerprint: str) -> dict | None:
-    marker = out / MARKER
-    if not marker.exists():
-        return None
-    done = read_json(marker)
-    if done.get("fingerprint") != fingerprint:
+def _up_to_date(layout: RunLayout, fingerprint: str) -> Marker | None:
+    done = read_marker(layout.prompts_marker, STAGE)
+    if done is None or done.key != fingerprint:
         return None
     for shard in done["shards"]:
-        path = out / shard["name"]
+        path = layout.prompts / shard["name"]
         if not path.exists() or sha256_file(path) != shard["sha256"]:
             return None
     return done
+
+
+def _entry(done: Marker) -> dict:
+    """The manifest entry the marker was written with (an earlier release kept it as its counts)."""
+    return done.get("manifest_entry") or done.counts
 
 
 def _reject(tally: _Tally, rejected_fh, row_index: int, origin: str, rej: Rejected) -> None:
@@ -162,11 +166,14 @@ def _stream(data: DataConfig, source: Source, writers: list[_ShardWriter], rejec
     return tally
 
 
-def _write_shards(data: DataConfig, source: Source, out: Path, log: logging.Logger) -> tuple[_Tally, list[dict]]:
+def _write_shards(
+    data: DataConfig, source: Source, layout: RunLayout, log: logging.Logger
+) -> tuple[_Tally, list[dict]]:
+    out = layout.prompts
     tmps = [out / f".{shard_name(k)}.partial" for k in range(data.num_shards)]
     writers = [_ShardWriter(t) for t in tmps]
     try:
-        with atomic_path(out / "rejected.jsonl") as rej_tmp, open(rej_tmp, "w", encoding="utf-8") as rejected_fh:
+        with atomic_path(layout.prompts_rejected) as rej_tmp, open(rej_tmp, "w", encoding="utf-8") as rejected_fh:
             tally = _stream(data, source, writers, rejected_fh)
             for w in writers:
                 w.close()
@@ -177,21 +184,21 @@ def _write_shards(data: DataConfig, source: Source, out: Path, log: logging.Logg
                 w.writer.close()
     shards = []
     for k, (tmp, w) in enumerate(zip(tmps, writers)):
-        target = out / shard_name(k)
+        target = layout.prompt_shard(shard_name(k))
         if install_file(tmp, target):
             log.info("prepare: wrote %s (%d prompts)", target.name, w.rows)
         shards.append({"name": target.name, "rows": w.rows, "sha256": sha256_file(target)})
     return tally, shards
 
 
-def _remove_stale(out: Path, keep: set[str], log: logging.Logger) -> None:
-    for path in out.glob("shard-*.parquet"):
+def _remove_stale(layout: RunLayout, keep: set[str], log: logging.Logger) -> None:
+    for path in layout.prompts.glob("shard-*.parquet"):
         if path.name not in keep:
             log.warning("prepare: removing %s left from an earlier run with more shards", path.name)
-            remove_inside(path, out.parent, missing_ok=False)  # out.parent is run_dir
+            remove_inside(path, layout.root, missing_ok=False)
 
 
-def _rejection_error(data: DataConfig, tally: _Tally, out: Path) -> str | None:
+def _rejection_error(data: DataConfig, tally: _Tally, layout: RunLayout) -> str | None:
     if tally.in_ == 0:
         return f"prepare: data.source {data.source!r} holds no rows"
     if tally.invalid / tally.in_ > data.max_rejected_fraction:
@@ -199,7 +206,7 @@ def _rejection_error(data: DataConfig, tally: _Tally, out: Path) -> str | None:
         return (
             f"prepare: {tally.invalid} of {tally.in_} candidate prompts were rejected as invalid "
             f"({tally.invalid / tally.in_:.0%} > data.max_rejected_fraction={data.max_rejected_fraction}); "
-            f"top reasons: {top}; every rejected row is listed in {out / 'rejected.jsonl'}"
+            f"top reasons: {top}; every rejected row is listed in {layout.prompts_rejected}"
         )
     return None
 
@@ -211,34 +218,36 @@ def _source(config: PipelineConfig) -> Source:
     data = config.data
     if not self_prompts.is_self_source(data.source):
         return Source(data.source, data.split)
-    marker = self_prompts.out_dir(config.run_dir) / self_prompts.MARKER
-    if not marker.exists():
+    layout = RunLayout.of(config)
+    if read_marker(layout.self_prompts_marker, self_prompts.STAGE) is None:
         raise PrepareError(
-            f"prepare: data.source={data.source!r} needs the prompts the target writes, and {marker} does not exist; "
-            "run the prepare flow (eagle3 prepare / eagle3 run), which serves the target and writes them first"
+            f"prepare: data.source={data.source!r} needs the prompts the target writes, and "
+            f"{layout.self_prompts_marker} does not exist; run the prepare flow (eagle3 prepare / eagle3 run), "
+            "which serves the target and writes them first"
         )
-    return Source(str(self_prompts.prompts_file(config.run_dir)), data.split)
+    return Source(str(layout.self_prompts_file), data.split)
 
 
 def run_prepare(config: PipelineConfig, logger: logging.Logger | None = None) -> PrepareResult:
     """Run the stage into ``RUN/prompts``; skip when the completion marker is current."""
     log = logger or logging.getLogger(__name__)
     data = config.data
-    out = Path(config.run_dir) / "prompts"
+    layout = RunLayout.of(config)
+    out = layout.prompts
     out.mkdir(parents=True, exist_ok=True)
     source = _source(config)
     fingerprint = _fingerprint(data, source)
-    done = _up_to_date(out, fingerprint)
+    done = _up_to_date(layout, fingerprint)
     if done is not None:
-        log.info("prepare: up to date (%s), nothing to do", out / MARKER)
-        return PrepareResult(str(out), tuple(s["name"] for s in done["shards"]), done["counts"], fingerprint, True)
-    remove_inside(out / MARKER, config.run_dir)
+        log.info("prepare: up to date (%s), nothing to do", done.path)
+        return PrepareResult(str(out), tuple(s["name"] for s in done["shards"]), _entry(done), fingerprint, True)
+    remove_marker(layout.prompts_marker, config.run_dir)
     for leftover in [*out.glob(".*.partial"), *out.glob(".*.tmp")]:
         remove_inside(leftover, config.run_dir, missing_ok=False)  # temporary files of a run that was killed
-    tally, shards = _write_shards(data, source, out, log)
-    _remove_stale(out, {s["name"] for s in shards}, log)
+    tally, shards = _write_shards(data, source, layout, log)
+    _remove_stale(layout, {s["name"] for s in shards}, log)
     counts = StageCounts(tally.in_, tally.ok, 0, tally.in_ - tally.ok, dict(tally.reasons))
-    error = _rejection_error(data, tally, out)
+    error = _rejection_error(data, tally, layout)
     entry = record_stage(
         config.run_dir,
         STAGE,
@@ -254,7 +263,14 @@ def run_prepare(config: PipelineConfig, logger: logging.Logger | None = None) ->
     )
     if error:
         raise PrepareError(error)
-    atomic_write_json(out / MARKER, {"fingerprint": fingerprint, "counts": entry, "shards": shards})
+    write_marker(
+        layout.prompts_marker,
+        STAGE,
+        fingerprint,
+        {**counts.as_dict(), "source_rows": tally.source_rows},
+        shards=shards,
+        manifest_entry=entry,
+    )
     log.info(
         "prepare: %d rows -> %d prompts in %d shards, %d filtered (%s)",
         tally.source_rows,

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from eagle3.config import PipelineConfig
 from eagle3.generate.stage import expected_target  # noqa: F401  (flows import it from here)
+from eagle3.layout import RunLayout
 
 MANAGED_KEY_ENV = "EAGLE3_MANAGED_SERVER_KEY"
 
@@ -136,7 +137,7 @@ async def _managed(config: PipelineConfig, logger, folder: str) -> AsyncIterator
         host=server.host,
         extra_args=vllm_args(server, model_path),
         env=dict(server.env),
-        log_path=Path(config.run_dir) / folder / "server.log",
+        log_path=RunLayout.of(config).server_log(folder),
         startup_timeout_s=server.startup_timeout_s,
         stop_grace_s=server.stop_grace_s,
         logger=logger,
@@ -192,7 +193,7 @@ STAGE_OF_FOLDER = {"generations": "generate", "prompts": "prepare"}
 
 
 def replica_events(config: PipelineConfig, folder: str = "generations") -> Path:
-    return Path(config.run_dir) / folder / "replica-events.jsonl"
+    return RunLayout.of(config).replica_events(folder)
 
 
 def target_server(config: PipelineConfig, logger, folder: str = "generations"):

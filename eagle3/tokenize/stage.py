@@ -29,7 +29,6 @@ import pyarrow.parquet as pq
 from eagle3.config import PipelineConfig, section_hash
 from eagle3.durable import (
     atomic_path,
-    atomic_write_json,
     atomic_write_lines,
     install_file,
     read_json,
@@ -38,6 +37,8 @@ from eagle3.durable import (
     writing,
 )
 from eagle3.generate.records import read_records
+from eagle3.layout import RunLayout
+from eagle3.markers import Marker, read_marker, remove_marker, write_marker
 from eagle3.schemas import PROMPT_COLUMNS, check_schema, tokenizer_hash
 from eagle3.tokenize.build import (
     RowError,
@@ -66,6 +67,7 @@ TEMPLATE_CHECKS = 64
 CHUNK = 512  # template-path rows rendered and encoded together: at most this many,
 CHUNK_CHARS = 1 << 17  # and about this much completion text (~30k tokens), so long rows still pipeline
 IN_FLIGHT = 2  # chunks encoding at once: the Rust pool balances two batches across cores, one alone idles at its tail
+STAGE = "tokenize"
 
 
 class TokenizeInputError(RuntimeError):
@@ -138,32 +140,34 @@ def target_vocab_size(config: PipelineConfig, tokenizer, tok_path: str) -> int:
 
 
 def _paths(run_dir: Path, shard: str) -> dict[str, Path]:
-    stem = shard.removesuffix(".parquet")
-    out = run_dir / "tokenized"
+    layout = RunLayout.of(run_dir)
+    gen = layout.generation(shard)
     return {
-        "generations": run_dir / "generations" / f"{stem}.jsonl",
-        "gen_done": run_dir / "generations" / f"{stem}.done.json",
-        "prompts": run_dir / "prompts" / shard,
-        "parquet": out / shard,
-        "counts": out / f"{stem}.counts.safetensors",
-        "rejected": out / f"{stem}.rejected.jsonl",
-        "done": out / f"{stem}.done.json",
+        "generations": gen["ok"],
+        "gen_meta": gen["meta"],
+        "gen_done": gen["done"],
+        "prompts": layout.prompt_shard(shard),
+        **layout.tokenized_files(shard),
     }
+
+
+def read_done(path: Path) -> Marker | None:
+    """A tokenized shard's completion marker (the stages after tokenize read it through here)."""
+    return read_marker(path, STAGE)
 
 
 def _check_generation_settings(config: PipelineConfig, p: dict, shard: str) -> None:
     """Records made by another model, sampling or chat template than the config's are refused by name."""
-    from eagle3.generate.shard import generation_key
+    from eagle3.generate.shard import STAGE as GENERATE, generation_key
     from eagle3.generate.stage import expected_target
 
-    made = read_json(p["gen_done"]).get("key")
+    made = read_marker(p["gen_done"], GENERATE).key
     if made is None:
         return
     model, template = expected_target(config)
     gen = config.generation
     if made != generation_key(model, gen, template):
-        meta_path = p["generations"].with_name(p["generations"].name.replace(".jsonl", ".meta.json"))
-        meta = read_json(meta_path) if meta_path.exists() else {}
+        meta = read_json(p["gen_meta"]) if p["gen_meta"].exists() else {}
         raise TokenizeInputError(
             f"{p['generations']}: made by model {meta.get('model', '?')!r} with sampling "
             f"{meta.get('sampling', '?')}, but the config asks for model {model!r} with "
@@ -373,11 +377,11 @@ def tokenize_shard(config: PipelineConfig, shard: str, tokenizer, tok_path: str,
         raise TokenizeInputError(f"{p['gen_done']} not found: shard {shard} has not finished generating")
     _check_generation_settings(config, p, shard)
     key = _key(p, config, tokenizer_fingerprint(tok_path))
-    if p["done"].exists() and read_json(p["done"]).get("key") == key and p["parquet"].exists():
-        done = read_json(p["done"])
+    done = read_done(p["done"])
+    if done is not None and done.key == key and p["parquet"].exists():
         if sha256_file(p["parquet"]) == done["parquet_sha256"]:
             return TokenizeResult(**{**done["result"], "skipped": True})
-    remove_inside(p["done"], config.run_dir)
+    remove_marker(p["done"], config.run_dir)
     check_schema(p["prompts"], PROMPT_COLUMNS, "prompt shard (RUN/prompts)")
     table = pq.read_table(p["prompts"], columns=["id", "messages"])
     messages = dict(zip(table.column("id").to_pylist(), table.column("messages").to_pylist()))
@@ -422,15 +426,15 @@ def tokenize_shard(config: PipelineConfig, shard: str, tokenizer, tok_path: str,
         False,
     )
     assert result.in_ == result.ok + result.filtered, result
-    atomic_write_json(
+    write_marker(
         p["done"],
-        {
-            "key": key,
-            "parquet_sha256": sha256_file(p["parquet"]),
-            "tokenizer": tok_path,
-            "tokenizer_sha256": tokenizer_hash(tok_path),
-            "result": {k: v for k, v in result.__dict__.items() if k != "skipped"},
-        },
+        STAGE,
+        key,
+        {"in": result.in_, "ok": result.ok, "filtered": result.filtered},
+        parquet_sha256=sha256_file(p["parquet"]),
+        tokenizer=tok_path,
+        tokenizer_sha256=tokenizer_hash(tok_path),
+        result={k: v for k, v in result.__dict__.items() if k != "skipped"},
     )
     log.info(
         "%s: %d records -> %d rows (%d tokens, %d supervised), %d filtered %s; template check %s",
@@ -466,7 +470,7 @@ def record(config: PipelineConfig, results: list[TokenizeResult], tok_path: str)
     }
     return record_stage(
         config.run_dir,
-        "tokenize",
+        STAGE,
         counts,
         status="ok",
         tokenizer=tok_path,

@@ -25,7 +25,11 @@ import pyarrow.parquet as pq
 import torch
 
 from eagle3.extract.hf import length_batches
+from eagle3.extract.stage import STAGE as EXTRACT
+from eagle3.layout import RunLayout
+from eagle3.markers import read_marker
 from eagle3.schemas import TOKENIZED_IDS, TOKENIZED_INPUT_IDS, TOKENIZED_LOSS_MASK, check_schema
+from eagle3.tokenize.stage import read_done
 from eagle3.train.split import is_heldout
 from eagle3.train.stage import TrainDataError
 
@@ -42,14 +46,16 @@ class Sample:
 class Dataset:
     def __init__(self, run_dir: str | Path, shards: list[str], eval_fraction: float, offline: bool):
         self.run = Path(run_dir)
+        self.layout = RunLayout.of(run_dir)
         self.shards, self.offline = shards, offline
         self.train: list[Sample] = []
         self.heldout: list[Sample] = []
         self._states: dict[int, object] = {}
         for s, shard in enumerate(shards):
-            path = self.run / "tokenized" / shard
-            if not (self.run / "tokenized" / f"{path.stem}.done.json").exists():
-                raise TrainDataError(f"{path}: not tokenized (no {path.stem}.done.json); run `eagle3 tokenize`")
+            files = self.layout.tokenized_files(shard)
+            path = files["parquet"]
+            if read_done(files["done"]) is None:
+                raise TrainDataError(f"{path}: not tokenized (no {files['done'].name}); run `eagle3 tokenize`")
             check_schema(path, (TOKENIZED_IDS, TOKENIZED_INPUT_IDS, TOKENIZED_LOSS_MASK), "tokenized shard")
             table = pq.read_table(path, columns=["id", "input_ids", "loss_mask"])
             ids = table.column("id").to_pylist()
@@ -62,34 +68,29 @@ class Dataset:
                 (self.heldout if is_heldout(rid, eval_fraction) else self.train).append(sample)
         if not self.train:
             raise TrainDataError(
-                f"{self.run / 'tokenized'}: no training samples (all {len(self.heldout)} rows fell in the "
+                f"{self.layout.tokenized}: no training samples (all {len(self.heldout)} rows fell in the "
                 "held-out split)"
             )
         if not self.heldout:  # a tiny run: hold out one sample rather than evaluate on nothing
             self.heldout.append(self.train.pop())
 
     def _check_index(self, shard: str, ids: list[str]) -> None:
-        stem = Path(shard).stem
-        index = self.run / "hidden_states" / f"{stem}.index.json"
-        if not (self.run / "hidden_states" / f"{stem}.done.json").exists():
-            raise TrainDataError(
-                f"{self.run / 'hidden_states' / stem}.safetensors: no stored states "
-                '(extract.mode="offline"); run `eagle3 extract`'
-            )
+        files = self.layout.states_files(shard)
+        index = files["index"]
+        if read_marker(files["done"], EXTRACT) is None:
+            raise TrainDataError(f'{files["states"]}: no stored states (extract.mode="offline"); run `eagle3 extract`')
         listed = json.loads(index.read_text())["ids"]
         if listed != ids:
             raise TrainDataError(
-                f"{index}: its ids differ from {self.run / 'tokenized' / shard} (extracted from an older "
-                "tokenization?); run `eagle3 extract` again"
+                f"{index}: its ids differ from {self.layout.tokenized_files(shard)['parquet']} (extracted from an "
+                "older tokenization?); run `eagle3 extract` again"
             )
 
     def states(self, sample: Sample) -> tuple[torch.Tensor, torch.Tensor]:
         from eagle3.extract.store import ShardStates
 
         if sample.shard not in self._states:
-            self._states[sample.shard] = ShardStates(
-                self.run / "hidden_states" / f"{Path(self.shards[sample.shard]).stem}.safetensors"
-            )
+            self._states[sample.shard] = ShardStates(self.layout.states_files(self.shards[sample.shard])["states"])
         return self._states[sample.shard].sample(sample.row)
 
 

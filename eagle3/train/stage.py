@@ -21,6 +21,10 @@ from pathlib import Path
 
 from eagle3.config import PipelineConfig, section_hash
 from eagle3.durable import atomic_write_json, read_json, remove_inside
+from eagle3.layout import RunLayout
+from eagle3.markers import remove_marker, write_marker
+
+STAGE = "train"
 
 STEP_LINE = re.compile(r"\[rank 0\] step (\d+)/(\d+)")
 # A worker's failed write (disk full) reaches us only as its traceback's last line; it is raised
@@ -46,7 +50,7 @@ def layer_ids_for(config: PipelineConfig) -> list[int]:
 
     entry = read_manifest(config.run_dir).get("stages", {}).get("extract")
     if not entry:
-        raise TrainInputError(f"{config.run_dir}/manifest.json has no extract stage: run `eagle3 extract` first")
+        raise TrainInputError(f"{RunLayout.of(config).manifest} has no extract stage: run `eagle3 extract` first")
     if config.extract.layer_ids and list(config.extract.layer_ids) != entry["layer_ids"]:
         raise TrainInputError(
             f"extract.layer_ids {config.extract.layer_ids} differ from the {entry['layer_ids']} the "
@@ -72,17 +76,18 @@ def check_tokenized(config: PipelineConfig, shards: list[str]) -> None:
         check_tokenizer,
         tokenizer_hash,
     )
-    from eagle3.tokenize.stage import tokenizer_path
+    from eagle3.tokenize.stage import read_done, tokenizer_path
 
     tok_path = tokenizer_path(config)
     tok_hash = tokenizer_hash(tok_path)
+    layout = RunLayout.of(config)
     for shard in shards:
-        path = Path(config.run_dir) / "tokenized" / shard
-        done = path.with_name(f"{path.stem}.done.json")
-        if not done.exists():
-            raise TrainDataError(f"{path}: not tokenized (no {done.name}); run `eagle3 tokenize`")
+        files = layout.tokenized_files(shard)
+        path, done = files["parquet"], read_done(files["done"])
+        if done is None:
+            raise TrainDataError(f"{path}: not tokenized (no {files['done'].name}); run `eagle3 tokenize`")
         check_schema(path, (TOKENIZED_IDS, TOKENIZED_INPUT_IDS, TOKENIZED_LOSS_MASK), "tokenized shard")
-        check_tokenizer(read_json(done), done, tok_path, tok_hash, "train")
+        check_tokenizer(done.fields, done.path, tok_path, tok_hash, "train")
 
 
 def torchrun_argv(config: PipelineConfig, request: Path) -> list[str]:
@@ -113,16 +118,17 @@ def run_train(config: PipelineConfig, shards: list[str], logger=None, on_line=No
     from eagle3.models import resolve_model
 
     log = logger or logging.getLogger(__name__)
-    run = Path(config.run_dir)
-    vocab = run / "vocab" / "draft_vocab.safetensors"
+    layout = RunLayout.of(config)
+    run = layout.root
+    vocab = layout.draft_vocab
     if not vocab.exists():
         raise TrainInputError(f"{vocab} not found: run `eagle3 vocab` first")
     layer_ids = layer_ids_for(config)
     check_tokenized(config, shards)
-    out = run / "train"
-    out.mkdir(parents=True, exist_ok=True)
-    request = out / "request.json"
-    result_path = out / "result.json"
+    layout.train.mkdir(parents=True, exist_ok=True)
+    request = layout.train_request
+    result_path = layout.train_result
+    remove_marker(layout.train_marker, run)
     remove_inside(result_path, run)
     atomic_write_json(
         request,
@@ -147,7 +153,7 @@ def run_train(config: PipelineConfig, shards: list[str], logger=None, on_line=No
         cwd=Path(__file__).resolve().parents[2],
         threads=threads,
         on_line=on_line,
-        pidfile=out / "torchrun.pid",
+        pidfile=layout.torchrun_pid,
     )
     result = read_json(result_path)
     return record(config, result, layer_ids, time.monotonic() - started)
@@ -205,22 +211,28 @@ def record(config: PipelineConfig, result: dict, layer_ids: list[int], seconds: 
     from eagle3.manifest import StageCounts, record_stage, versions
 
     steps = int(result["steps"])
-    return record_stage(
+    layout = RunLayout.of(config)
+    results = {
+        "total_steps": result["total_steps"],
+        "best": result["best"],
+        "tokens": result["tokens"],
+        "world_size": result["world_size"],
+        "layer_ids": layer_ids,
+        "checkpoints": str(layout.checkpoints),
+    }
+    entry = record_stage(
         config.run_dir,
-        "train",
+        STAGE,
         StageCounts(steps, steps),
         status="ok",
         counted="optimizer steps",
-        total_steps=result["total_steps"],
-        best=result["best"],
-        tokens=result["tokens"],
+        **results,
         seconds=round(seconds, 1),
-        world_size=result["world_size"],
-        layer_ids=layer_ids,
-        checkpoints=str(Path(config.run_dir) / "checkpoints"),
         config_hash=section_hash(config.train),
         versions=versions("torch"),
     )
+    write_marker(layout.train_marker, STAGE, section_hash(config.train), {"in": steps, "ok": steps}, **results)
+    return entry
 
 
 def summary_line(entry: dict, run_dir: str | Path) -> str:

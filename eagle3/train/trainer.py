@@ -37,6 +37,7 @@ from eagle3.durable import (
     sweep_orphaned_temporaries,
     writing,
 )
+from eagle3.layout import RunLayout
 from eagle3.train.data import (
     Dataset,
     collate,
@@ -103,12 +104,13 @@ class Trainer:
         self.config, self.tc, self.log = config, config.train, log
         self.dist = dist or Dist()
         self.run = Path(config.run_dir)
+        self.layout = RunLayout.of(config)
         self.model_path, self.layer_ids = model_path, layer_ids
         torch.manual_seed(self.tc.seed)
         self.target = load_target_head(model_path)
         from eagle3.vocab.mapping import load as load_vocab
 
-        d2t, t2d = (torch.from_numpy(x) for x in load_vocab(self.run / "vocab" / "draft_vocab.safetensors"))
+        d2t, t2d = (torch.from_numpy(x) for x in load_vocab(self.layout.draft_vocab))
         self.drafter_config = DrafterConfig.from_target(self.target.config, len(d2t), layer_ids)
         model = Eagle3Drafter(self.drafter_config)
         model.init_from_target(self.target.embed, self.target.lm_head, d2t, t2d)
@@ -133,7 +135,7 @@ class Trainer:
             self.trainable, lr=self.tc.learning_rate, betas=(0.9, 0.95), weight_decay=self.tc.weight_decay
         )
         self.step, self.best, self.tokens_global = 0, None, 0
-        self.ckpt_dir = self.run / "checkpoints"
+        self.ckpt_dir = self.layout.checkpoints
         self.autocast = (
             torch.autocast("cuda", dtype=torch.bfloat16)
             if self.dist.device.type == "cuda" and self.tc.dtype == "bfloat16"
@@ -256,7 +258,7 @@ class Trainer:
                 "seconds": round(seconds, 4),
                 "tokens_per_s": round(tokens_all / max(seconds, 1e-9), 1),
             }
-            _append(self.run / "train" / "log.jsonl", line)
+            _append(self.layout.train_log, line)
             if self.step == 1 or self.step % 10 == 0 or self.step == self.total_steps:
                 self.log(
                     f"step {self.step}/{self.total_steps} epoch {epoch} loss {line['loss']:.4f} lr "
@@ -284,7 +286,7 @@ class Trainer:
         self.model.train()
         if self.dist.rank == 0:
             line = {"step": self.step, "epoch": epoch, **metrics, "heldout_samples": len(self.data.heldout)}
-            _append(self.run / "train" / "eval.jsonl", line)
+            _append(self.layout.train_eval, line)
             if self.best is None or metrics["acceptance_length"] > self.best["acceptance_length"]:
                 self.best = {"step": self.step, "acceptance_length": metrics["acceptance_length"]}
             self.log(
@@ -312,7 +314,8 @@ class Trainer:
     def save(self) -> None:
         model_state, opt_state = self._full_state()
         if self.dist.rank == 0:
-            final = self.ckpt_dir / f"step-{self.step:06d}"
+            layout = RunLayout.of(self.run)
+            final = layout.checkpoint(self.step)
             # A save that a kill cut short left its partial folder under the dead worker's pid (and
             # possibly another step's name, when the schedule changed): removed before this one.
             sweep_orphaned_temporaries(self.ckpt_dir)
@@ -327,9 +330,9 @@ class Trainer:
                     if as_os is None or as_os is exc:
                         raise
                     raise as_os from exc
-                atomic_write_json(self.ckpt_dir / "latest.json", {"step": self.step, "path": str(final.resolve())})
+                atomic_write_json(layout.latest_checkpoint, {"step": self.step, "path": str(final.resolve())})
                 if self.best is not None and self.best["step"] == self.step:
-                    atomic_write_json(self.ckpt_dir / "best.json", {**self.best, "path": str(final.resolve())})
+                    atomic_write_json(layout.best_checkpoint, {**self.best, "path": str(final.resolve())})
         self.dist.barrier()
 
     def _write_checkpoint(self, tmp: Path, model_state, opt_state) -> None:
@@ -352,7 +355,7 @@ class Trainer:
         )
 
     def _resume(self) -> None:
-        latest = self.ckpt_dir / "latest.json"
+        latest = self.layout.latest_checkpoint
         if not latest.exists():
             return
         from safetensors.torch import load_file
@@ -369,8 +372,8 @@ class Trainer:
         self.optimizer.load_state_dict(_load_tensors_only(path / "optimizer.pt", self.dist.device))
         self.step, self.best = int(state["step"]), state.get("best")
         if self.dist.rank == 0:
-            _truncate_jsonl(self.run / "train" / "log.jsonl", self.step)
-            _truncate_jsonl(self.run / "train" / "eval.jsonl", self.step)
+            _truncate_jsonl(self.layout.train_log, self.step)
+            _truncate_jsonl(self.layout.train_eval, self.step)
             self.log(f"resumed from {path} (step {self.step} of {self.total_steps})")
 
 

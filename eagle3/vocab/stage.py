@@ -1,29 +1,45 @@
-"""Stage ``vocab`` on a run directory: reduce the shards' counts, choose, save, record."""
+"""Stage ``vocab`` on a run directory: reduce the shards' counts, choose, save, record.
+
+Recomputed on every run (a sum and a sort); ``vocab/done.json`` (eagle3/markers.py) is written
+last, keyed on the count files, the target vocabulary size and the ``[vocab]`` settings.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from pathlib import Path
 
 from eagle3.config import PipelineConfig, section_hash
+from eagle3.durable import sha256_file
+from eagle3.layout import RunLayout
 from eagle3.manifest import StageCounts, record_stage
+from eagle3.markers import remove_marker, write_marker
 from eagle3.tokenize.stage import load_tokenizer, target_vocab_size, tokenizer_path
 from eagle3.vocab.mapping import build, must_keep, save, sum_counts
+
+STAGE = "vocab"
+
+
+def _key(config: PipelineConfig, count_files: list[Path], target: int) -> str:
+    parts = [*(sha256_file(p) for p in count_files), str(target), section_hash(config.vocab)]
+    return hashlib.sha256(":".join(parts).encode()).hexdigest()[:16]
 
 
 def run_vocab(config: PipelineConfig, shards: list[str], logger=None) -> dict:
     log = logger or logging.getLogger(__name__)
-    run = Path(config.run_dir)
+    layout = RunLayout.of(config)
     path = tokenizer_path(config)
     tokenizer = load_tokenizer(path)
     target = target_vocab_size(config, tokenizer, path)
-    count_files = [run / "tokenized" / f"{Path(s).stem}.counts.safetensors" for s in shards]
+    count_files = [layout.tokenized_files(s)["counts"] for s in shards]
     missing = [str(p) for p in count_files if not p.exists()]
     if missing:
         raise FileNotFoundError(f"vocab: token counts missing for {missing}: run the tokenize stage first")
+    remove_marker(layout.vocab_marker, layout.root)
     counts = sum_counts(count_files, target)
     vocab = build(counts, config.vocab.draft_vocab_size, must_keep(tokenizer))
-    out = run / "vocab" / "draft_vocab.safetensors"
+    out = layout.draft_vocab
     save(vocab, out)
     draft = len(vocab.d2t)
     log.info(
@@ -35,20 +51,32 @@ def run_vocab(config: PipelineConfig, shards: list[str], logger=None) -> dict:
         out,
     )
     rows = int((counts > 0).sum())
-    return record_stage(
-        run,
-        "vocab",
+    results = {
+        "path": str(out),
+        "draft_vocab_size": draft,
+        "target_vocab_size": target,
+        "coverage": vocab.coverage,
+        "identity": vocab.identity,
+        "supervised_tokens": int(counts.sum()),
+    }
+    entry = record_stage(
+        layout.root,
+        STAGE,
         StageCounts(rows, rows),
         status="ok",
-        path=str(out),
-        draft_vocab_size=draft,
-        target_vocab_size=target,
-        coverage=vocab.coverage,
-        identity=vocab.identity,
-        supervised_tokens=int(counts.sum()),
+        **results,
         config_hash=section_hash(config.vocab),
         counted="distinct supervised token ids",
     )
+    write_marker(
+        layout.vocab_marker,
+        STAGE,
+        _key(config, count_files, target),
+        {"in": rows, "ok": rows},
+        **results,
+        vocab_sha256=sha256_file(out),
+    )
+    return entry
 
 
 def summary_line(entry: dict, run_dir) -> str:

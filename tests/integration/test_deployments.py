@@ -232,7 +232,7 @@ def test_two_workers_share_one_pool(tmp_path):
             for name in ("worker-a", "worker-b")
         }
         assert ran["worker-a"] | ran["worker-b"] == set(ids) and all(ran.values()), ran
-        assert all((tmp_path / f"run-{k}" / "prompts" / "_SUCCESS.json").exists() for k in range(4))
+        assert all((tmp_path / f"run-{k}" / "prompts" / "done.json").exists() for k in range(4))
     finally:
         for worker in workers:
             stop_group(worker)

@@ -238,7 +238,7 @@ def triggers(run: Path) -> dict:
 def partial_state(run: Path, stage: str) -> str:
     """What the killed stage had on disk, for the test's report."""
     if stage == "prepare":
-        return f"prompts/_SUCCESS.json {'present' if (run / 'prompts' / '_SUCCESS.json').exists() else 'absent'}"
+        return f"prompts/done.json {'present' if (run / 'prompts' / 'done.json').exists() else 'absent'}"
     if stage == "generate":
         return (
             f"{shard_lines(run / 'generations', 'shard-?????.jsonl')} records, "
@@ -386,7 +386,7 @@ def test_sigkill_inside_each_stage_then_rerun_matches_uninterrupted(tmp_path):
     assert not leftovers, f"temporaries of killed writes left behind: {leftovers}"
 
     # prepare: byte-identical.
-    assert_same_files(run, ref_prep, "prompts", ("shard-*.parquet", "rejected.jsonl", "_SUCCESS.json"))
+    assert_same_files(run, ref_prep, "prompts", ("shard-*.parquet", "rejected.jsonl", "done.json"))
 
     # 4. generate: exactly one record per prepared prompt, and the accounting adds up.
     import pyarrow.parquet as pq

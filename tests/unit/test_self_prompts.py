@@ -236,7 +236,7 @@ def test_failed_requests_count_as_failed_and_past_the_threshold_stop_the_source(
     rejected = lines(tmp_path / "b" / "run" / "prompts" / "self" / "rejected.jsonl")
     failed = [r for r in rejected if r["kind"] == "request_failed"]
     assert len(failed) == entry["failed"] and all(r["request"] % 2 == 1 and "http_400" in r["reason"] for r in failed)
-    assert not (tmp_path / "a" / "run" / "prompts" / "self" / "_SUCCESS.json").exists()
+    assert not (tmp_path / "a" / "run" / "prompts" / "self" / "done.json").exists()
 
 
 def test_transient_errors_are_retried_with_the_generation_policy(tmp_path):
