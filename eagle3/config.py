@@ -26,11 +26,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from eagle3.errors import UserError
+
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 DEMO_RECIPE = RECIPES_DIR / "tiny-demo.toml"  # what `make demo` runs; tests start from it too
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration problem, phrased for the person who wrote the config."""
 
 

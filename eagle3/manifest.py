@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.durable import atomic_write_json, read_json
+from eagle3.errors import PermanentError
 
 MANIFEST = "manifest.json"
 
 
-class AccountingError(RuntimeError):
+class AccountingError(PermanentError, RuntimeError):
     """A stage's counts do not add up: rows were lost."""
 
 

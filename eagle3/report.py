@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from eagle3.errors import MissingInputError
 from eagle3.manifest import MANIFEST, read_manifest
 
 COLUMNS = ("stage", "status", "in", "ok", "failed", "filtered", "reasons")
@@ -18,7 +19,8 @@ def _reasons(entry: dict) -> str:
 def status_rows(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / MANIFEST
     if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist: not a run directory, or no stage has finished yet")
+        problem = "does not exist: not a run directory, or no stage has finished yet"
+        raise MissingInputError("status", path, "run a stage first (eagle3 run), or name another folder", problem)
     stages = read_manifest(run_dir).get("stages", {})
     return [
         {

@@ -61,6 +61,7 @@ from eagle3.durable import (
     remove_orphaned_temporaries,
     sha256_file,
 )
+from eagle3.errors import InputError
 
 LAYOUTS = ("vllm", "sglang", "speculators")
 CONFIG = "config.json"
@@ -120,7 +121,7 @@ SPECULATORS_FORMAT_VERSION = "0.9.0"
 SPECULATORS_ABSENT_NORMS = ("norm_before_fc", "fc_norm", "norm_output")
 
 
-class ExportError(ValueError):
+class ExportError(InputError, ValueError):
     """The checkpoint cannot be exported (missing files, shapes that do not fit the target)."""
 
 

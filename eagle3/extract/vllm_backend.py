@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from eagle3.errors import TransientError
+
 logger = logging.getLogger(__name__)
 
 WORKER = Path(__file__).resolve().parent / "vllm_worker.py"
@@ -31,7 +33,7 @@ TAIL_LINES = 20
 KILL_GRACE_S = 10.0
 
 
-class VllmExtractError(RuntimeError):
+class VllmExtractError(TransientError, RuntimeError):
     """The vLLM worker failed, timed out, or wrote something unusable."""
 
 

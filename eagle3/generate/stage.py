@@ -11,6 +11,7 @@ from pathlib import Path
 
 from eagle3.config import GenerationConfig, PipelineConfig, section_hash
 from eagle3.durable import read_json
+from eagle3.errors import MissingInputError, TransientError
 from eagle3.generate.client import deadline_s
 from eagle3.generate.shard import paths
 from eagle3.manifest import StageCounts, record_stage, versions
@@ -18,12 +19,8 @@ from eagle3.manifest import StageCounts, record_stage, versions
 STAGE = "generate"
 
 
-class GenerationFailed(RuntimeError):
+class GenerationFailed(TransientError, RuntimeError):
     """More prompts failed than generation.max_failure_fraction allows."""
-
-
-class MissingInputError(RuntimeError):
-    """The stage before this one has not completed."""
 
 
 def out_dir(config: PipelineConfig) -> Path:
@@ -34,7 +31,7 @@ def prepared_shards(config: PipelineConfig) -> dict[Path, int]:
     """The prompt shards named by prepare's completion marker, with their row counts."""
     marker = Path(config.run_dir) / "prompts" / "_SUCCESS.json"
     if not marker.exists():
-        raise MissingInputError(f"{marker} not found: run the prepare stage first (eagle3 prepare, or eagle3 run)")
+        raise MissingInputError(STAGE, marker, "run the prepare stage first (eagle3 prepare, or eagle3 run)")
     return {marker.parent / s["name"]: s["rows"] for s in read_json(marker)["shards"]}
 
 

@@ -32,6 +32,7 @@ import pyarrow.parquet as pq
 
 from eagle3.config import DataConfig, PipelineConfig, section_hash
 from eagle3.durable import atomic_path, atomic_write_json, install_file, read_json, remove_inside, sha256_file
+from eagle3.errors import InputError
 from eagle3.manifest import StageCounts, record_stage, versions
 from eagle3.prepare.normalize import Prompt, Rejected, candidates
 from eagle3.prepare.sources import Source
@@ -49,7 +50,7 @@ SCHEMA = pa.schema(
 )
 
 
-class PrepareError(RuntimeError):
+class PrepareError(InputError, RuntimeError):
     """The stage ran but its result must not be used (too many rejected rows)."""
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import httpx
 
+from eagle3.errors import TransientError
 from eagle3.serving import orphans
 
 LOG_TAIL_LINES = 40
@@ -46,7 +47,7 @@ MANAGED_FLAGS = ("--model", "--host", "--port", "--served-model-name", "--api-ke
 _LEVEL_RE = re.compile(r"\b(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")
 
 
-class ServerError(RuntimeError):
+class ServerError(TransientError, RuntimeError):
     """The managed server could not start, died, or could not be stopped."""
 
 

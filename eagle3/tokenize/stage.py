@@ -37,6 +37,7 @@ from eagle3.durable import (
     sha256_file,
     writing,
 )
+from eagle3.errors import InputError, MissingInputError, run_first
 from eagle3.generate.records import read_records
 from eagle3.schemas import PROMPT_COLUMNS, check_schema, tokenizer_hash
 from eagle3.tokenize.build import (
@@ -68,8 +69,8 @@ CHUNK_CHARS = 1 << 17  # and about this much completion text (~30k tokens), so l
 IN_FLIGHT = 2  # chunks encoding at once: the Rust pool balances two batches across cores, one alone idles at its tail
 
 
-class TokenizeInputError(RuntimeError):
-    """The stage's inputs are missing or incomplete."""
+# The stage's inputs (finished generation shards made with this config) are missing.
+TokenizeInputError = MissingInputError
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,7 @@ def declared_vocab_size(folder: Path) -> int:
     config = read_json(path)
     value = (config.get("text_config") or config).get("vocab_size", config.get("vocab_size"))
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-        raise TokenizeInputError(f"{path}: vocab_size={value!r} is not a non-negative integer")
+        raise InputError(f"{path}: vocab_size={value!r} is not a non-negative integer")
     return int(value or 0)
 
 
@@ -164,12 +165,13 @@ def _check_generation_settings(config: PipelineConfig, p: dict, shard: str) -> N
     if made != generation_key(model, gen, template):
         meta_path = p["generations"].with_name(p["generations"].name.replace(".jsonl", ".meta.json"))
         meta = read_json(meta_path) if meta_path.exists() else {}
-        raise TokenizeInputError(
-            f"{p['generations']}: made by model {meta.get('model', '?')!r} with sampling "
-            f"{meta.get('sampling', '?')}, but the config asks for model {model!r} with "
-            f"max_tokens={gen.max_tokens}, temperature={gen.temperature}, top_p={gen.top_p} (or another chat "
-            f"template): run `eagle3 generate` for shard {shard} (earlier records are set aside, never mixed)"
+        problem = (
+            f"was made by model {meta.get('model', '?')!r} with sampling {meta.get('sampling', '?')}, but the "
+            f"config asks for model {model!r} with max_tokens={gen.max_tokens}, temperature={gen.temperature}, "
+            f"top_p={gen.top_p} (or another chat template)"
         )
+        hint = f"run `eagle3 generate` for shard {shard} (earlier records are set aside, never mixed)"
+        raise MissingInputError("tokenize", p["generations"], hint, problem)
 
 
 def _key(p: dict, config: PipelineConfig, tok_fp: str) -> str:
@@ -370,7 +372,8 @@ def tokenize_shard(config: PipelineConfig, shard: str, tokenizer, tok_path: str,
     log = logger or logging.getLogger(__name__)
     p = _paths(Path(config.run_dir), shard)
     if not p["gen_done"].exists():
-        raise TokenizeInputError(f"{p['gen_done']} not found: shard {shard} has not finished generating")
+        problem = f"not found: shard {shard} has not finished generating"
+        raise MissingInputError("tokenize", p["gen_done"], run_first("eagle3 generate"), problem)
     _check_generation_settings(config, p, shard)
     key = _key(p, config, tokenizer_fingerprint(tok_path))
     if p["done"].exists() and read_json(p["done"]).get("key") == key and p["parquet"].exists():

@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 
 from eagle3.config import PipelineConfig, section_hash
+from eagle3.errors import MissingInputError, run_first
 from eagle3.manifest import StageCounts, record_stage
 from eagle3.tokenize.stage import load_tokenizer, target_vocab_size, tokenizer_path
 from eagle3.vocab.mapping import build, must_keep, save, sum_counts
@@ -20,7 +21,9 @@ def run_vocab(config: PipelineConfig, shards: list[str], logger=None) -> dict:
     count_files = [run / "tokenized" / f"{Path(s).stem}.counts.safetensors" for s in shards]
     missing = [str(p) for p in count_files if not p.exists()]
     if missing:
-        raise FileNotFoundError(f"vocab: token counts missing for {missing}: run the tokenize stage first")
+        raise MissingInputError(
+            "vocab", run / "tokenized", run_first("eagle3 tokenize"), f"lacks the token counts {missing}"
+        )
     counts = sum_counts(count_files, target)
     vocab = build(counts, config.vocab.draft_vocab_size, must_keep(tokenizer))
     out = run / "vocab" / "draft_vocab.safetensors"
