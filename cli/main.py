@@ -7,8 +7,9 @@ Design choices:
   a new stage appears here without an edit.
 - This package is the entry point that decides how stages run (as Prefect flows), so it may
   import ``flows/``; the ``eagle3`` library never imports it.
-- Errors a user can fix (config, source, bad rows over the threshold) print one clear
-  message and exit 1; a traceback means a bug.
+- Every error of the hierarchy in ``eagle3/errors.py`` (a config, input or missing-input
+  error, a full disk, a stage past its failure threshold, a lost server) prints one line and
+  exits 1; a traceback means a bug. ``EXIT_CODES`` is the contract, shown in ``--help``.
 """
 
 from __future__ import annotations
@@ -20,10 +21,19 @@ from pathlib import Path
 
 from eagle3 import stages
 
+EXIT_CODES = """exit status:
+  0  done
+  1  failed with one line naming the file, key or limit and what to do (config, input, missing input,
+     disk, a stage past its failure threshold, a lost server; a rerun resumes what was finished);
+     a traceback instead means a bug
+  2  bad command line"""
+
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--config", metavar="FILE.toml", help="pipeline config; without it the embedded defaults (the demo) apply"
+        "--config",
+        metavar="FILE.toml",
+        help="pipeline config (see recipes/); without it the real-model defaults apply",
     )
     p.add_argument(
         "--set",
@@ -40,7 +50,10 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="eagle3", description="Train an EAGLE-3 drafter for a vLLM-served target model."
+        prog="eagle3",
+        description="Train an EAGLE-3 drafter for a vLLM-served target model.",
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_config_args(sub.add_parser("run", help="run every stage in order, as the eagle3-pipeline flow"))
@@ -181,49 +194,12 @@ def cmd_stage(args: argparse.Namespace) -> int:
     return 0
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from eagle3.config import ConfigError
-    from eagle3.durable import DiskWriteError
-    from eagle3.evaluate.live import EvaluationFailed, MissingInput
-    from eagle3.evaluate.metrics import MetricsUnavailable
-    from eagle3.export.layouts import ExportError
-    from eagle3.extract.errors import USER_ERRORS as EXTRACT_ERRORS
-    from eagle3.generate.stage import GenerationFailed, MissingInputError
-    from eagle3.importer import ImportModelError
-    from eagle3.manifest import AccountingError
-    from eagle3.models import ModelDownloadError, ModelNotFoundError
-    from eagle3.prepare.sources import SourceError
-    from eagle3.prepare.stage import PrepareError
-    from eagle3.schemas import SchemaError, TokenizerMismatchError
-    from eagle3.serving.managed import ServerError
-    from eagle3.tokenize.stage import TokenizeInputError
-    from eagle3.train.stage import TrainDataError, TrainFailed, TrainInputError
+def _explained_errors() -> tuple[type[BaseException], ...]:
+    """Errors whose message is the whole story: every ``Eagle3Error`` (user, input, permanent or
+    transient, see eagle3/errors.py) and a missing file the OS names; anything else is a bug."""
+    from eagle3.errors import Eagle3Error
 
-    return (
-        ConfigError,
-        SourceError,
-        PrepareError,
-        AccountingError,
-        FileNotFoundError,
-        GenerationFailed,
-        MissingInputError,
-        ServerError,
-        TokenizeInputError,
-        *EXTRACT_ERRORS,
-        TrainDataError,
-        TrainFailed,
-        TrainInputError,
-        ExportError,
-        MissingInput,
-        EvaluationFailed,
-        MetricsUnavailable,
-        DiskWriteError,
-        SchemaError,
-        TokenizerMismatchError,
-        ImportModelError,
-        ModelNotFoundError,
-        ModelDownloadError,
-    )
+    return (Eagle3Error, FileNotFoundError)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -239,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         }.get(args.command, cmd_stage)
     try:
         return handler(args)
-    except _user_errors() as exc:
+    except _explained_errors() as exc:
         print(f"eagle3 {args.command}: error: {exc}", file=sys.stderr)
         return 1
 

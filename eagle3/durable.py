@@ -22,8 +22,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from eagle3.errors import UserError
 
-class DiskWriteError(OSError):
+
+class DiskWriteError(UserError, OSError):
     """A write to the run directory failed (disk full, quota, I/O error), named with its file."""
 
     def __str__(self) -> str:  # the message alone: it names the file already, "[Errno 28]" adds nothing
@@ -243,7 +245,7 @@ _SYSTEM_DIRS = (
 )
 
 
-class UnsafeDeleteError(RuntimeError):
+class UnsafeDeleteError(UserError, RuntimeError):
     """A deletion would reach outside the run directory (or remove the run directory itself)."""
 
 

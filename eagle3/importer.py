@@ -32,6 +32,7 @@ from eagle3.durable import (
     remove_orphaned_temporaries,
     sha256_file,
 )
+from eagle3.errors import UserError
 from eagle3.tiny.build import quiet_progress
 
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -42,7 +43,7 @@ CHECK_TOKENS = 24
 GGUF_MAGIC = b"GGUF"
 
 
-class ImportModelError(ValueError):
+class ImportModelError(UserError, ValueError):
     """The model cannot be imported; the message names the file and what to do."""
 
 

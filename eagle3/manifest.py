@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.durable import atomic_write_json, read_json
+from eagle3.errors import PermanentError
 from eagle3.layout import RunLayout
 
 
-class AccountingError(RuntimeError):
+class AccountingError(PermanentError, RuntimeError):
     """A stage's counts do not add up: rows were lost."""
 
 

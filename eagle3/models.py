@@ -26,6 +26,8 @@ import re
 import threading
 from pathlib import Path
 
+from eagle3.errors import TransientError, UserError
+
 TINY_PREFIX = "tiny:"
 
 # What a stage or vLLM reads from a model repository. Weights only as safetensors: training,
@@ -42,11 +44,11 @@ _HUB_ID = re.compile(r"^(?P<repo>(?:[\w.-]+/)?[\w.-]+)(?:@(?P<rev>[\w./-]+))?$")
 _DOWNLOAD_LOCK = threading.Lock()
 
 
-class ModelNotFoundError(ValueError):
+class ModelNotFoundError(UserError, ValueError):
     """The target named in the config is no local folder and no hub model we may use (permanent)."""
 
 
-class ModelDownloadError(OSError):
+class ModelDownloadError(TransientError, OSError):
     """Downloading a hub model failed on the way (network, disk); a retry may succeed."""
 
 

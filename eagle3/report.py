@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from eagle3 import stages
+from eagle3.errors import MissingInputError
 from eagle3.layout import RunLayout
 from eagle3.manifest import read_manifest
 
@@ -19,7 +20,8 @@ def _reasons(entry: dict) -> str:
 def status_rows(run_dir: str | Path) -> list[dict]:
     path = RunLayout.of(run_dir).manifest
     if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist: not a run directory, or no stage has finished yet")
+        problem = "does not exist: not a run directory, or no stage has finished yet"
+        raise MissingInputError("status", path, "run a stage first (eagle3 run), or name another folder", problem)
     entries = read_manifest(run_dir).get("stages", {})
     order = stages.manifest_order()
     return [

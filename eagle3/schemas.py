@@ -27,12 +27,14 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from eagle3.errors import InputError
 
-class SchemaError(ValueError):
+
+class SchemaError(InputError, ValueError):
     """A Parquet shard whose columns or types are not the contract's (names file, column, types)."""
 
 
-class TokenizerMismatchError(ValueError):
+class TokenizerMismatchError(InputError, ValueError):
     """Token ids made by one tokenizer, about to be read under another (names both hashes)."""
 
 

@@ -12,13 +12,14 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import task_run
 
 from eagle3.config import PipelineConfig
+from eagle3.errors import TransientError
 from eagle3.generate import stage
 from eagle3.generate.client import EndpointPool, deadline_s
 from eagle3.generate.shard import ShardResult, generate_shard
 from eagle3.serving.target import Target, outage_wait_s, replica_events
 
 
-class ShardIncomplete(RuntimeError):
+class ShardIncomplete(TransientError, RuntimeError):
     """Some prompts of the shard failed with transient errors; a retry resumes them."""
 
 

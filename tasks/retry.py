@@ -6,38 +6,18 @@ changed, a full disk or a refused deletion: it would fail the same way seconds l
 second failed attempt in the UI. Those errors end the task at once; the fix is the user's, and
 the rerun after it resumes.
 
-Classes are named, not imported, so this module loads without torch or the stage modules.
+The answer is the error's place in ``eagle3.errors`` (a ``PermanentError`` or a ``TransientError``);
+that module is light, so this one still loads without torch or the stage modules.
 """
 
 from __future__ import annotations
 
-PERMANENT = frozenset(
-    {
-        "eagle3.config.base.ConfigError",
-        "eagle3.durable.DiskWriteError",
-        "eagle3.durable.UnsafeDeleteError",
-        "eagle3.schemas.SchemaError",
-        "eagle3.schemas.TokenizerMismatchError",
-        "eagle3.manifest.AccountingError",
-        "eagle3.models.ModelNotFoundError",
-        "eagle3.generate.records.RecordFileError",
-        "eagle3.tokenize.stage.TokenizeInputError",
-        "eagle3.extract.errors.ExtractInputError",
-        "eagle3.extract.errors.DiskSpaceError",
-        "eagle3.extract.errors.LayerIdError",
-        "eagle3.extract.errors.StatesError",
-        "eagle3.train.stage.TrainInputError",
-        "eagle3.train.stage.TrainDataError",
-        "eagle3.train.target.TargetWeightsError",
-    }
-)
+from eagle3.errors import is_permanent
 
-
-def is_permanent(exc: BaseException) -> bool:
-    return any(f"{cls.__module__}.{cls.__qualname__}" in PERMANENT for cls in type(exc).__mro__)
+__all__ = ["is_permanent", "unless_permanent"]
 
 
 def unless_permanent(task, task_run, state) -> bool:
-    """Prefect ``retry_condition_fn``: retry unless the task raised one of ``PERMANENT``."""
+    """Prefect ``retry_condition_fn``: retry unless the task raised a permanent error."""
     exc = state.data if isinstance(getattr(state, "data", None), BaseException) else None
     return exc is None or not is_permanent(exc)

@@ -6,11 +6,13 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
+from eagle3.errors import UserError
+
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 DEMO_RECIPE = RECIPES_DIR / "tiny-demo.toml"  # what `make demo` runs; tests start from it too
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration problem, phrased for the person who wrote the config."""
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from eagle3.config import PipelineConfig, section_hash
 from eagle3.durable import atomic_write_json, read_json
+from eagle3.errors import MissingInputError, TransientError, run_first
 from eagle3.evaluate import matrix, servers
 from eagle3.evaluate.measure import DECODE_RATE_DEFINITION
 from eagle3.evaluate.metrics import fetch_metrics, metrics_delta, parse_spec_metrics  # noqa: F401  (re-exported)
@@ -32,7 +33,7 @@ from eagle3.manifest import StageCounts, record_stage, versions
 STAGE = "evaluate"
 
 
-class EvaluationFailed(RuntimeError):
+class EvaluationFailed(TransientError, RuntimeError):
     """Requests failed outright, or vLLM never drafted (speculative decoding not engaged)."""
 
 
@@ -44,10 +45,9 @@ def _drafters(config: PipelineConfig, methods: list[str], drafter_dir, out: Path
     if not any(m in servers.DRAFTER_METHODS for m in methods):
         return {}
     if drafter_dir is None or not (Path(drafter_dir) / "config.json").exists():
-        raise MissingInput(
-            f"{drafter_dir} holds no exported drafter (config.json): needed for methods "
-            f"{[m for m in methods if m in servers.DRAFTER_METHODS]}"
-        )
+        needed = [m for m in methods if m in servers.DRAFTER_METHODS]
+        problem = f"holds no exported drafter (config.json), which methods {needed} need"
+        raise MissingInputError(STAGE, drafter_dir, run_first("eagle3 export"), problem)
     found = {"trained": Path(drafter_dir)}
     if any(servers.base_method(m) == "untrained" for m in methods):
         found["untrained"] = servers.build_untrained(config, Path(drafter_dir), out, logger)
@@ -180,9 +180,8 @@ def run_evaluate(config: PipelineConfig, logger=None) -> dict:
     drafter = layout.export_layout("vllm")
     wants_drafter = any(m in servers.DRAFTER_METHODS for m in matrix.methods_of(config))
     if wants_drafter and not (drafter / "config.json").exists():
-        raise MissingInput(
-            f"{drafter} holds no exported drafter: run the export stage first (export.formats must include vllm)"
-        )
+        hint = "run `eagle3 export` first (export.formats must include vllm)"
+        raise MissingInputError(STAGE, drafter, hint, "holds no exported drafter")
     out = layout.evaluate
     doc = measure_live(config, drafter if wants_drafter else None, out_dir=out, logger=logger)
     info_path = drafter / "export_info.json"

@@ -16,6 +16,8 @@ import re
 
 import httpx
 
+from eagle3.errors import TransientError
+
 COUNTERS = {
     "vllm:spec_decode_num_drafts_total": "drafts",
     "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
@@ -27,7 +29,7 @@ _SAMPLE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(\{(?:[^"}]|"(?:[^"\\]|\\.)*")
 _POSITION = re.compile(r'position="(\d+)"')
 
 
-class MetricsUnavailable(RuntimeError):
+class MetricsUnavailable(TransientError, RuntimeError):
     """/metrics did not answer 200."""
 
 

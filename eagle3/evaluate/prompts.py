@@ -20,13 +20,14 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from eagle3.errors import MissingInputError, run_first
 from eagle3.layout import RunLayout
 
 PROMPT_SETS = ("heldout", "external")
 
 
-class MissingInput(RuntimeError):
-    """A stage this one reads from has not run."""
+# The prompts this stage measures on are missing (a stage it reads has not run, or no usable one).
+MissingInput = MissingInputError
 
 
 def _order(sample_id: str) -> str:
@@ -39,7 +40,9 @@ def _run_prompts(run_dir: str | Path) -> list[dict]:
     folder = RunLayout.of(run_dir).prompts
     shards = sorted(folder.glob("shard-*.parquet"))
     if not shards:
-        raise MissingInput(f"no prompt shards (shard-*.parquet) in {folder}: run the prepare stage first")
+        raise MissingInputError(
+            "evaluate", folder, run_first("eagle3 prepare"), "holds no prompt shards (shard-*.parquet)"
+        )
     rows, seen = [], set()
     for shard in shards:
         for row in pq.read_table(shard, columns=["id", "messages"]).to_pylist():
@@ -125,10 +128,12 @@ def external_prompts(
             "this run and were left out"
         )
     if not chosen:
-        raise MissingInput(
-            f"evaluate.external_prompts {spec!r}: no usable prompt (found {len(found)}, "
+        problem = (
+            f"(evaluate.external_prompts) holds no usable prompt (found {len(found)}, "
             f"{info['excluded_trained_on']} were training prompts of this run, rejected {dict(rejected)})"
         )
+        hint = "point evaluate.external_prompts at prompts this run did not train on"
+        raise MissingInputError("evaluate", spec, hint, problem)
     return chosen, info
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from eagle3.config import PipelineConfig, section_hash
 from eagle3.durable import read_json
+from eagle3.errors import MissingInputError, run_first
 from eagle3.export.layouts import (
     CKPT_CONFIG,
     EXPORT_VERSION,
@@ -37,7 +38,7 @@ STAGE = "export"
 _STEP = re.compile(r"step-(\d+)")
 
 
-class MissingCheckpoint(ExportError):
+class MissingCheckpoint(MissingInputError, ExportError):
     """No drafter checkpoint to export: the train stage has not written one."""
 
 
@@ -57,7 +58,8 @@ def find_checkpoint(run_dir: str | Path) -> tuple[Path, int | None, str]:
         entry = read_json(best)
         path = folder / Path(entry["path"]).name  # this run's own folder, even when the run dir was moved
         if not ((path / WEIGHTS).exists() and (path / CKPT_CONFIG).exists()):
-            raise MissingCheckpoint(f"{best} names {path}, which lacks {WEIGHTS} or {CKPT_CONFIG}")
+            problem = f"names {path}, which lacks {WEIGHTS} or {CKPT_CONFIG}"
+            raise MissingCheckpoint(STAGE, best, run_first("eagle3 train"), problem)
         return path, entry.get("step"), "best.json"
     steps = []
     for path in folder.glob("step-*") if folder.is_dir() else []:
@@ -65,10 +67,8 @@ def find_checkpoint(run_dir: str | Path) -> tuple[Path, int | None, str]:
         if match and (path / WEIGHTS).exists() and (path / CKPT_CONFIG).exists():
             steps.append((int(match.group(1)), path))
     if not steps:
-        raise MissingCheckpoint(
-            f"no drafter checkpoint in {folder} (no best.json, no step-N folder holding {WEIGHTS} "
-            f"and {CKPT_CONFIG}): run the train stage first"
-        )
+        problem = f"holds no drafter checkpoint (no best.json, no step-N folder holding {WEIGHTS} and {CKPT_CONFIG})"
+        raise MissingCheckpoint(STAGE, folder, run_first("eagle3 train"), problem)
     step, path = max(steps)
     return path, step, "highest step"
 

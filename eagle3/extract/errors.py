@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
+from eagle3.errors import InputError, MissingInputError, UserError
 
-class ExtractInputError(RuntimeError):
-    """The stage's inputs are missing, incomplete or inconsistent."""
+# The stage's inputs (tokenized shards) are missing or not what the tokenize stage wrote.
+ExtractInputError = MissingInputError
 
 
-class DiskSpaceError(RuntimeError):
+class DiskSpaceError(UserError, RuntimeError):
     """Not enough free disk for the states this run would store."""
 
 
-class LayerIdError(ValueError):
+class LayerIdError(UserError, ValueError):
     """Layer ids that do not fit the target."""
 
 
-class StatesError(ValueError):
+class StatesError(InputError, ValueError):
     """States that cannot be written or read as promised (shape, finiteness, completeness)."""
-
-
-USER_ERRORS = (ExtractInputError, DiskSpaceError, LayerIdError, StatesError)

@@ -28,7 +28,8 @@ import pyarrow.parquet as pq
 
 from eagle3.config import PipelineConfig, section_hash
 from eagle3.durable import atomic_write_json, remove_inside, sha256_file, writing
-from eagle3.extract.errors import DiskSpaceError, ExtractInputError, StatesError
+from eagle3.errors import MissingInputError, run_first
+from eagle3.extract.errors import DiskSpaceError, StatesError
 from eagle3.extract.store import StatesWriter, states_bytes
 from eagle3.layout import RunLayout
 from eagle3.markers import Marker, read_marker, remove_marker, write_marker
@@ -64,9 +65,7 @@ def _paths(run_dir: Path, shard: str) -> dict[str, Path]:
 def _tokenized_marker(p: dict, shard: str) -> Marker:
     marker = read_tokenized_done(p["tok_done"])
     if marker is None:
-        raise ExtractInputError(
-            f"{p['tok_done']} not found: shard {shard} has not been tokenized (run `eagle3 tokenize`)"
-        )
+        raise _not_tokenized(p, shard)
     return marker
 
 
@@ -76,16 +75,23 @@ def _key(config: PipelineConfig, tokenized_sha: str, fingerprint: str, layer_ids
     return hashlib.sha256(":".join(parts).encode()).hexdigest()[:16]
 
 
+def _not_tokenized(p: dict, shard: str) -> MissingInputError:
+    problem = f"not found: shard {shard} has not been tokenized"
+    return MissingInputError("extract", p["tok_done"], run_first("eagle3 tokenize"), problem)
+
+
 def _tokenized(p: dict, shard: str) -> tuple[list[str], list[list[int]]]:
     _tokenized_marker(p, shard)
     try:
         table = pq.read_table(p["tokenized"], columns=["id", "input_ids", "num_tokens"])
     except Exception as exc:
-        raise ExtractInputError(f"{p['tokenized']}: not a readable tokenized shard ({exc})") from None
+        problem = f"is not a readable tokenized shard ({exc})"
+        raise MissingInputError("extract", p["tokenized"], run_first("eagle3 tokenize", again=True), problem) from None
     ids, seqs = table.column("id").to_pylist(), table.column("input_ids").to_pylist()
     for rid, seq, n in zip(ids, seqs, table.column("num_tokens").to_pylist()):
         if len(seq) != n or n == 0:
-            raise ExtractInputError(f"{p['tokenized']}: row {rid!r} has {len(seq)} input ids but num_tokens={n}")
+            problem = f"row {rid!r} has {len(seq)} input ids but num_tokens={n}"
+            raise MissingInputError("extract", p["tokenized"], run_first("eagle3 tokenize", again=True), problem)
     return ids, seqs
 
 
@@ -132,10 +138,11 @@ def plan(config: PipelineConfig, shards: list[str]) -> Plan:
         p = _paths(Path(config.run_dir), shard)
         marker = _tokenized_marker(p, shard)
         if not p["tokenized"].exists() or sha256_file(p["tokenized"]) != marker["parquet_sha256"]:
-            raise ExtractInputError(
-                f"{p['tokenized']} is missing or differs from what the tokenize stage wrote (its hash is in "
-                f"{p['tok_done'].name}): truncated or replaced; run `eagle3 tokenize` again"
+            problem = (
+                f"is missing or differs from what the tokenize stage wrote (its hash is in {p['tok_done'].name}): "
+                "truncated or replaced"
             )
+            raise MissingInputError("extract", p["tokenized"], run_first("eagle3 tokenize", again=True), problem)
         check_schema(p["tokenized"], (TOKENIZED_IDS, TOKENIZED_INPUT_IDS, TOKENIZED_NUM_TOKENS), "tokenized shard")
         check_tokenizer(marker.fields, p["tok_done"], tok_path, tok_hash, "extract")
         keys[shard] = _key(config, marker["parquet_sha256"], fingerprint, layer_ids)

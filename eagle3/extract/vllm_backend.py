@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from eagle3.durable import atomic_write_json
+from eagle3.errors import TransientError
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ TAIL_LINES = 20
 KILL_GRACE_S = 10.0
 
 
-class VllmExtractError(RuntimeError):
+class VllmExtractError(TransientError, RuntimeError):
     """The vLLM worker failed, timed out, or wrote something unusable."""
 
 

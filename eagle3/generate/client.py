@@ -46,6 +46,7 @@ import httpx
 import openai
 
 from eagle3.config import GenerationConfig
+from eagle3.errors import Eagle3Error
 from eagle3.generate.records import JsonlAppender
 
 TRANSIENT_STATUS = {408, 409, 425, 429}
@@ -68,7 +69,9 @@ def deadline_s(gen: GenerationConfig) -> float:
 
 
 @dataclass
-class Failure(Exception):
+class Failure(Eagle3Error):
+    """One request's failure; ``transient`` (per failure, not per class) decides whether it is retried."""
+
     kind: str
     message: str
     transient: bool

@@ -22,11 +22,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from eagle3.durable import DiskWriteError, writing
+from eagle3.errors import InputError
 
 log = logging.getLogger(__name__)
 
 
-class RecordFileError(ValueError):
+class RecordFileError(InputError, ValueError):
     """A JSONL file is damaged somewhere other than its last line."""
 
 

@@ -42,6 +42,7 @@ import pyarrow.parquet as pq
 
 from eagle3.config import GenerationConfig
 from eagle3.durable import atomic_write_json, read_json, sha256_file, writing
+from eagle3.errors import TransientError
 from eagle3.generate.client import EndpointPool, Stats, deadline_s, request_with_retries
 from eagle3.generate.records import JsonlAppender, read_ids
 from eagle3.layout import generation_files
@@ -49,7 +50,7 @@ from eagle3.markers import Marker, read_marker, remove_marker, write_marker
 from eagle3.schemas import PROMPT_COLUMNS, check_schema
 
 
-class ShardLockedError(RuntimeError):
+class ShardLockedError(TransientError, RuntimeError):
     """Another process is generating this shard right now."""
 
 

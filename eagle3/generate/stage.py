@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 
 from eagle3.config import GenerationConfig, PipelineConfig, section_hash
+from eagle3.errors import MissingInputError, TransientError
 from eagle3.generate.client import deadline_s
 from eagle3.generate.shard import STAGE, paths
 from eagle3.layout import RunLayout
@@ -17,12 +18,8 @@ from eagle3.manifest import StageCounts, record_stage, versions
 from eagle3.markers import read_marker
 
 
-class GenerationFailed(RuntimeError):
+class GenerationFailed(TransientError, RuntimeError):
     """More prompts failed than generation.max_failure_fraction allows."""
-
-
-class MissingInputError(RuntimeError):
-    """The stage before this one has not completed."""
 
 
 def out_dir(config: PipelineConfig) -> Path:
@@ -36,9 +33,8 @@ def prepared_shards(config: PipelineConfig) -> dict[Path, int]:
     layout = RunLayout.of(config)
     marker = read_marker(layout.prompts_marker, PREPARE)
     if marker is None:
-        raise MissingInputError(
-            f"{layout.prompts_marker} not found: run the prepare stage first (eagle3 prepare, or eagle3 run)"
-        )
+        hint = "run the prepare stage first (eagle3 prepare, or eagle3 run)"
+        raise MissingInputError(STAGE, layout.prompts_marker, hint)
     return {layout.prompt_shard(s["name"]): s["rows"] for s in marker["shards"]}
 
 

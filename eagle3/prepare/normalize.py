@@ -21,6 +21,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from eagle3.errors import InputError
+
 Turns = Literal["last_turn", "first_turn", "all_turns"]
 
 ROLES = {
@@ -32,7 +34,7 @@ ROLES = {
 }
 
 
-class Rejected(Exception):
+class Rejected(InputError):
     """A row (or one prompt of it) that cannot be used, with a countable kind."""
 
     def __init__(self, kind: str, detail: str):

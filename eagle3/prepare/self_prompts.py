@@ -44,6 +44,7 @@ from pathlib import Path
 
 from eagle3.config import GenerationConfig, PipelineConfig, SelfPromptsConfig, section_hash
 from eagle3.durable import atomic_write_bytes, sha256_file
+from eagle3.errors import UserError
 from eagle3.generate.client import EndpointPool, Stats, request_with_retries
 from eagle3.generate.records import JsonlAppender, iter_records
 from eagle3.layout import STAGE_MARKER, RunLayout
@@ -58,7 +59,7 @@ MARKER = STAGE_MARKER  # prompts/self/done.json
 PROGRESS_EVERY_S = 15.0
 
 
-class SelfPromptsError(RuntimeError):
+class SelfPromptsError(UserError, RuntimeError):
     """The source ran but its result must not be used (too many failed requests, nothing kept)."""
 
 

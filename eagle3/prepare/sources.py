@@ -23,13 +23,14 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from eagle3.errors import InputError
 from eagle3.prepare.normalize import Rejected
 
 BUILTIN = {"builtin:demo_prompts": "demo_prompts.jsonl"}
 SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
-class SourceError(ValueError):
+class SourceError(InputError, ValueError):
     """The source as a whole cannot be read (missing file, unsupported format, hub failure)."""
 
 

@@ -32,6 +32,7 @@ import pyarrow.parquet as pq
 
 from eagle3.config import DataConfig, PipelineConfig, section_hash
 from eagle3.durable import atomic_path, install_file, remove_inside, sha256_file
+from eagle3.errors import InputError
 from eagle3.layout import STAGE_MARKER, RunLayout
 from eagle3.manifest import StageCounts, record_stage, versions
 from eagle3.markers import Marker, read_marker, remove_marker, write_marker
@@ -51,7 +52,7 @@ SCHEMA = pa.schema(
 )
 
 
-class PrepareError(RuntimeError):
+class PrepareError(InputError, RuntimeError):
     """The stage ran but its result must not be used (too many rejected rows)."""
 
 

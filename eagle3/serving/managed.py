@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 
 from eagle3 import proc
+from eagle3.errors import TransientError
 from eagle3.serving import orphans
 from eagle3.serving.launch import (  # noqa: F401 - build_argv, free_port, MANAGED_FLAGS: this module's API too
     MANAGED_FLAGS,
@@ -43,7 +44,7 @@ PROBE_TIMEOUT = httpx.Timeout(5.0, connect=2.0)
 READER_JOIN_S = 5.0
 
 
-class ServerError(RuntimeError):
+class ServerError(TransientError, RuntimeError):
     """The managed server could not start, died, or could not be stopped."""
 
 

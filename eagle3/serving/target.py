@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eagle3.config import PipelineConfig
+from eagle3.errors import TransientError
 from eagle3.generate.stage import expected_target  # noqa: F401  (flows import it from here)
 from eagle3.layout import RunLayout
 
@@ -37,7 +38,7 @@ class Target:
     down_at_start: tuple[tuple[str, str], ...] = ()
 
 
-class ServerLost(RuntimeError):
+class ServerLost(TransientError, RuntimeError):
     """The managed server kept exiting: server.max_restarts restarts were not enough."""
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from eagle3.errors import InputError
 from eagle3.tokenize import offset_free, renderers
 
 FAST_RENDER = True  # False: every row through jinja (benchmarks/bench_tokenize.py measures both)
@@ -38,7 +39,7 @@ OFFSET_FREE = True  # False: every template-path row encoded with character offs
 GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
-class RowError(ValueError):
+class RowError(InputError, ValueError):
     """A row that cannot be tokenized, with a countable kind."""
 
     def __init__(self, kind: str, detail: str):

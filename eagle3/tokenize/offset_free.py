@@ -29,12 +29,14 @@ import json
 
 import numpy as np
 
+from eagle3.errors import PermanentError
+
 CHECK_EVERY = 64
 
 _CACHE: dict[int, tuple[object, int, np.ndarray | None]] = {}
 
 
-class MaskMismatch(RuntimeError):
+class MaskMismatch(PermanentError, RuntimeError):
     """The offset-free mask disagreed with the tokenizer's own offsets."""
 
 

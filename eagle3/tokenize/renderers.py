@@ -24,6 +24,8 @@ from __future__ import annotations
 import hashlib
 from typing import Callable
 
+from eagle3.errors import PermanentError
+
 CHECK_EVERY = 64
 
 Rendered = tuple[str, list[tuple[int, int]]]
@@ -31,7 +33,7 @@ Rendered = tuple[str, list[tuple[int, int]]]
 _KEYS = frozenset(("role", "content", "reasoning_content"))
 
 
-class RenderMismatch(RuntimeError):
+class RenderMismatch(PermanentError, RuntimeError):
     """A plain-Python renderer disagreed with its jinja template."""
 
 

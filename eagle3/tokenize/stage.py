@@ -36,6 +36,7 @@ from eagle3.durable import (
     sha256_file,
     writing,
 )
+from eagle3.errors import InputError, MissingInputError, run_first
 from eagle3.generate.records import read_records
 from eagle3.layout import RunLayout
 from eagle3.markers import Marker, read_marker, remove_marker, write_marker
@@ -70,8 +71,8 @@ IN_FLIGHT = 2  # chunks encoding at once: the Rust pool balances two batches acr
 STAGE = "tokenize"
 
 
-class TokenizeInputError(RuntimeError):
-    """The stage's inputs are missing or incomplete."""
+# The stage's inputs (finished generation shards made with this config) are missing.
+TokenizeInputError = MissingInputError
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,7 @@ def declared_vocab_size(folder: Path) -> int:
     config = read_json(path)
     value = (config.get("text_config") or config).get("vocab_size", config.get("vocab_size"))
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-        raise TokenizeInputError(f"{path}: vocab_size={value!r} is not a non-negative integer")
+        raise InputError(f"{path}: vocab_size={value!r} is not a non-negative integer")
     return int(value or 0)
 
 
@@ -168,12 +169,13 @@ def _check_generation_settings(config: PipelineConfig, p: dict, shard: str) -> N
     gen = config.generation
     if made != generation_key(model, gen, template):
         meta = read_json(p["gen_meta"]) if p["gen_meta"].exists() else {}
-        raise TokenizeInputError(
-            f"{p['generations']}: made by model {meta.get('model', '?')!r} with sampling "
-            f"{meta.get('sampling', '?')}, but the config asks for model {model!r} with "
-            f"max_tokens={gen.max_tokens}, temperature={gen.temperature}, top_p={gen.top_p} (or another chat "
-            f"template): run `eagle3 generate` for shard {shard} (earlier records are set aside, never mixed)"
+        problem = (
+            f"was made by model {meta.get('model', '?')!r} with sampling {meta.get('sampling', '?')}, but the "
+            f"config asks for model {model!r} with max_tokens={gen.max_tokens}, temperature={gen.temperature}, "
+            f"top_p={gen.top_p} (or another chat template)"
         )
+        hint = f"run `eagle3 generate` for shard {shard} (earlier records are set aside, never mixed)"
+        raise MissingInputError("tokenize", p["generations"], hint, problem)
 
 
 def _key(p: dict, config: PipelineConfig, tok_fp: str) -> str:
@@ -374,7 +376,8 @@ def tokenize_shard(config: PipelineConfig, shard: str, tokenizer, tok_path: str,
     log = logger or logging.getLogger(__name__)
     p = _paths(Path(config.run_dir), shard)
     if not p["gen_done"].exists():
-        raise TokenizeInputError(f"{p['gen_done']} not found: shard {shard} has not finished generating")
+        problem = f"not found: shard {shard} has not finished generating"
+        raise MissingInputError("tokenize", p["gen_done"], run_first("eagle3 generate"), problem)
     _check_generation_settings(config, p, shard)
     key = _key(p, config, tokenizer_fingerprint(tok_path))
     done = read_done(p["done"])

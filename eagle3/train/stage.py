@@ -21,6 +21,7 @@ from pathlib import Path
 
 from eagle3.config import PipelineConfig, section_hash
 from eagle3.durable import atomic_write_json, read_json, remove_inside
+from eagle3.errors import InputError, MissingInputError, TransientError, run_first
 from eagle3.layout import RunLayout
 from eagle3.markers import remove_marker, write_marker
 
@@ -32,15 +33,15 @@ STEP_LINE = re.compile(r"\[rank 0\] step (\d+)/(\d+)")
 DISK_ERROR_LINE = re.compile(r"\bDiskWriteError: (.+)$")
 
 
-class TrainInputError(RuntimeError):
-    """Training inputs missing or inconsistent with each other."""
+# Training inputs missing, or not what this config needs (the stage that writes them must run again).
+TrainInputError = MissingInputError
 
 
-class TrainDataError(ValueError):
+class TrainDataError(InputError, ValueError):
     """Training inputs that do not line up (names the file and what differs)."""
 
 
-class TrainFailed(RuntimeError):
+class TrainFailed(TransientError, RuntimeError):
     """torchrun exited with an error or ran past its deadline."""
 
 
@@ -50,17 +51,14 @@ def layer_ids_for(config: PipelineConfig) -> list[int]:
 
     entry = read_manifest(config.run_dir).get("stages", {}).get("extract")
     if not entry:
-        raise TrainInputError(f"{RunLayout.of(config).manifest} has no extract stage: run `eagle3 extract` first")
+        manifest = RunLayout.of(config).manifest
+        raise MissingInputError("train", manifest, run_first("eagle3 extract"), "has no extract stage")
     if config.extract.layer_ids and list(config.extract.layer_ids) != entry["layer_ids"]:
-        raise TrainInputError(
-            f"extract.layer_ids {config.extract.layer_ids} differ from the {entry['layer_ids']} the "
-            "extract stage used: run `eagle3 extract` again"
-        )
+        problem = f"{config.extract.layer_ids} differ from the {entry['layer_ids']} the extract stage used"
+        raise MissingInputError("train", "extract.layer_ids", run_first("eagle3 extract", again=True), problem)
     if entry.get("mode") != config.extract.mode:
-        raise TrainInputError(
-            f"extract.mode is {config.extract.mode!r} but the extract stage ran in "
-            f"{entry.get('mode')!r} mode: run `eagle3 extract` again"
-        )
+        problem = f"is {config.extract.mode!r} but the extract stage ran in {entry.get('mode')!r} mode"
+        raise MissingInputError("train", "extract.mode", run_first("eagle3 extract", again=True), problem)
     return list(entry["layer_ids"])
 
 
@@ -122,7 +120,7 @@ def run_train(config: PipelineConfig, shards: list[str], logger=None, on_line=No
     run = layout.root
     vocab = layout.draft_vocab
     if not vocab.exists():
-        raise TrainInputError(f"{vocab} not found: run `eagle3 vocab` first")
+        raise MissingInputError("train", vocab, run_first("eagle3 vocab"))
     layer_ids = layer_ids_for(config)
     check_tokenized(config, shards)
     layout.train.mkdir(parents=True, exist_ok=True)

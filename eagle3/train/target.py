@@ -20,8 +20,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from eagle3.errors import InputError
 
-class TargetWeightsError(ValueError):
+
+class TargetWeightsError(InputError, ValueError):
     """The target's files lack a tensor training needs."""
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from eagle3.config import PipelineConfig, section_hash
 from eagle3.durable import sha256_file
+from eagle3.errors import MissingInputError, run_first
 from eagle3.layout import RunLayout
 from eagle3.manifest import StageCounts, record_stage
 from eagle3.markers import remove_marker, write_marker
@@ -35,7 +36,9 @@ def run_vocab(config: PipelineConfig, shards: list[str], logger=None) -> dict:
     count_files = [layout.tokenized_files(s)["counts"] for s in shards]
     missing = [str(p) for p in count_files if not p.exists()]
     if missing:
-        raise FileNotFoundError(f"vocab: token counts missing for {missing}: run the tokenize stage first")
+        raise MissingInputError(
+            "vocab", layout.tokenized, run_first("eagle3 tokenize"), f"lacks the token counts {missing}"
+        )
     remove_marker(layout.vocab_marker, layout.root)
     counts = sum_counts(count_files, target)
     vocab = build(counts, config.vocab.draft_vocab_size, must_keep(tokenizer))

@@ -1,11 +1,33 @@
-"""tasks/retry.py names error classes as strings (so it loads without torch): each name must be a
-real class, and the predicate must tell them from errors a retry can fix."""
+"""tasks/retry.py reads the error hierarchy (eagle3/errors.py): every error a retry cannot fix must
+still be refused, and the predicate must tell them from errors a retry can fix."""
 
 import importlib
 
 import pytest
 
-from tasks.retry import PERMANENT, is_permanent, unless_permanent
+from tasks.retry import is_permanent, unless_permanent
+
+# The errors the policy refused when it was a hand-kept list of names: each must stay permanent.
+PERMANENT = frozenset(
+    {
+        "eagle3.config.ConfigError",
+        "eagle3.durable.DiskWriteError",
+        "eagle3.durable.UnsafeDeleteError",
+        "eagle3.schemas.SchemaError",
+        "eagle3.schemas.TokenizerMismatchError",
+        "eagle3.manifest.AccountingError",
+        "eagle3.models.ModelNotFoundError",
+        "eagle3.generate.records.RecordFileError",
+        "eagle3.tokenize.stage.TokenizeInputError",
+        "eagle3.extract.errors.ExtractInputError",
+        "eagle3.extract.errors.DiskSpaceError",
+        "eagle3.extract.errors.LayerIdError",
+        "eagle3.extract.errors.StatesError",
+        "eagle3.train.stage.TrainInputError",
+        "eagle3.train.stage.TrainDataError",
+        "eagle3.train.target.TargetWeightsError",
+    }
+)
 
 
 @pytest.mark.parametrize("name", sorted(PERMANENT))

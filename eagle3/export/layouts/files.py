@@ -20,6 +20,7 @@ from eagle3.durable import (
     remove_orphaned_temporaries,
     sha256_file,
 )
+from eagle3.errors import InputError
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -29,7 +30,7 @@ EXPORT_VERSION = 1
 EMBED = "embed_tokens.weight"
 
 
-class ExportError(ValueError):
+class ExportError(InputError, ValueError):
     """The checkpoint cannot be exported (missing files, shapes that do not fit the target)."""
 
 
