@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.durable import atomic_write_json, read_json, remove_inside, writing
+from eagle3.errors import InputError
 from eagle3.layout import LEGACY_STAGE_MARKER, MARKER_SUFFIX, STAGE_MARKER
 
 FORMAT = 1
@@ -37,7 +38,7 @@ HEADER = ("marker", "stage", "unit", "key", "counts", "written_at")
 COUNTS = ("in", "ok", "failed", "filtered")
 
 
-class MarkerError(ValueError):
+class MarkerError(InputError, ValueError):
     """A completion marker that cannot be trusted: unreadable, or written by another stage."""
 
 

@@ -21,13 +21,15 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from eagle3.errors import TransientError
+
 # Reading the output after the group is gone: EOF comes once every writer of the pipe is gone.
 READER_JOIN_S = 5.0
 # A finished child's leftovers (an engine-core child, say) get this long to leave after SIGTERM.
 LEFTOVER_GRACE_S = 2.0
 
 
-class DeadlineExceeded(RuntimeError):
+class DeadlineExceeded(TransientError, RuntimeError):
     """A child ran past its deadline and was stopped; ``tail`` holds its last output lines."""
 
     def __init__(self, message: str, timeout_s: float, tail: list[str]) -> None:

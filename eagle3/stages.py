@@ -16,6 +16,8 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from eagle3.errors import UserError
+
 
 @dataclass(frozen=True)
 class Stage:
@@ -139,8 +141,11 @@ STAGES: tuple[Stage, ...] = (
 )
 
 
-class UnknownStage(KeyError):
+class UnknownStage(UserError, KeyError):
     """A stage name no entry of STAGES declares."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
 
 
 def names() -> tuple[str, ...]:

@@ -51,7 +51,11 @@ ERROR_CLASSES = _error_classes()
 
 
 def test_the_walk_finds_the_stage_errors():
-    for name in ("eagle3.config.ConfigError", "eagle3.export.stage.MissingCheckpoint", "tasks.serve.ServerLost"):
+    for name in (
+        "eagle3.config.base.ConfigError",
+        "eagle3.export.stage.MissingCheckpoint",
+        "eagle3.serving.target.ServerLost",
+    ):
         assert name in ERROR_CLASSES
 
 
@@ -164,14 +168,15 @@ def _stage_calls():
 
 @pytest.fixture
 def cli(monkeypatch, capsys, tmp_path):
-    """eagle3.cli.main in-process on an empty run directory, each stage's flow replaced by its first
+    """cli.main in-process on an empty run directory, each stage's flow replaced by its first
     library call (no Prefect server): (exit code, stderr)."""
-    from eagle3 import cli as module
-    from flows import pipeline
+    from cli import main as module
+    from eagle3 import stages
 
     monkeypatch.setattr(module, "_prefect_defaults", lambda: None)
-    for stage, call in _stage_calls().items():
-        monkeypatch.setitem(pipeline.FLOWS, stage, call)
+    calls = {stages.get(stage).flow: call for stage, call in _stage_calls().items()}
+    resolve = stages.resolve
+    monkeypatch.setattr(stages, "resolve", lambda ref: calls.get(ref) or resolve(ref))
 
     def run(*args):
         code = module.main([*args, "--config", str(DEMO_RECIPE), "--set", f'run_dir="{tmp_path / "run"}"'])
@@ -184,10 +189,10 @@ def cli(monkeypatch, capsys, tmp_path):
     "stage, extra, expect",
     [
         ("prepare", ["--set", "data.source=./missing.jsonl"], r"data.source './missing.jsonl'"),
-        ("generate", [], r"prompts/_SUCCESS.json not found: run the prepare stage first"),
+        ("generate", [], r"prompts/done.json not found: run the prepare stage first"),
         ("tokenize", [], r"tokenize: .*shard-00000.done.json not found: .*run `eagle3 generate` first"),
         ("vocab", [], r"vocab: .*tokenized lacks the token counts .*run `eagle3 tokenize` first"),
-        ("extract", [], r"prompts/_SUCCESS.json not found"),
+        ("extract", [], r"prompts/done.json not found"),
         ("train", [], r"train: .*draft_vocab.safetensors not found: run `eagle3 vocab` first"),
         ("export", [], r"export: .*checkpoints holds no drafter checkpoint.*run `eagle3 train` first"),
         ("evaluate", [], r"evaluate: .*export/vllm holds no exported drafter: run `eagle3 export` first"),
@@ -202,8 +207,13 @@ def test_cli_prints_one_line_and_exits_1_for_each_stage_missing_its_input(cli, s
 
 
 def test_cli_prints_a_transient_error_in_one_line_and_a_bug_with_its_traceback(cli, monkeypatch):
+    from eagle3 import stages
     from eagle3.serving.managed import ServerError
-    from flows import pipeline
+
+    export_flow, resolve = stages.get("export").flow, stages.resolve
+
+    def export_runs(call):
+        monkeypatch.setattr(stages, "resolve", lambda ref: call if ref == export_flow else resolve(ref))
 
     def dies(config):
         raise ServerError("vllm exited with code 1 during startup; see server.log")
@@ -211,16 +221,16 @@ def test_cli_prints_a_transient_error_in_one_line_and_a_bug_with_its_traceback(c
     def bug(config):
         raise KeyError("layer_ids")
 
-    monkeypatch.setitem(pipeline.FLOWS, "export", dies)
+    export_runs(dies)
     code, err = cli("export")
     assert code == 1 and err.strip() == "eagle3 export: error: vllm exited with code 1 during startup; see server.log"
-    monkeypatch.setitem(pipeline.FLOWS, "export", bug)
+    export_runs(bug)
     with pytest.raises(KeyError):  # not caught: the console script prints its traceback
         cli("export")
 
 
 def test_exit_codes_are_in_the_help():
-    from eagle3.cli import build_parser
+    from cli.main import build_parser
 
     text = build_parser().format_help()
     assert "exit status:" in text and "  1  " in text and "  2  " in text
