@@ -18,7 +18,7 @@ import re
 import socket
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -164,8 +164,15 @@ def atomic_write_bytes(target: str | Path, data: bytes) -> None:
         tmp.write_bytes(data)
 
 
+def _mapping(obj):
+    """JSON for read-only mappings (a stage's typed result reads as its manifest entry)."""
+    if isinstance(obj, Mapping):
+        return dict(obj)
+    raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
+
+
 def atomic_write_json(target: str | Path, obj: Any) -> None:
-    atomic_write_bytes(target, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+    atomic_write_bytes(target, (json.dumps(obj, indent=2, sort_keys=True, default=_mapping) + "\n").encode())
 
 
 def atomic_write_lines(target: str | Path, records: list[dict]) -> None:

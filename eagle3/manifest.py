@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import fcntl
 import platform
-import time
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -65,18 +64,21 @@ def versions(*packages: str) -> dict[str, str]:
     return found
 
 
-def record_stage(run_dir: str | Path, stage: str, counts: StageCounts, **extra: Any) -> dict:
-    """Check the counts and write them as ``stage``'s entry of the run manifest."""
+def record_stage(run_dir: str | Path, stage: str, counts: StageCounts, **fields: Any):
+    """Check the counts and write them, as the stage's typed result (``eagle3.results``), as
+    ``stage``'s entry of the run manifest; returns that result (it also reads as the entry)."""
+    from eagle3.results import build
+
     counts.check(stage)
-    entry = {**counts.as_dict(), **extra, "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    result = build(stage, counts, fields).stamped()
     layout = RunLayout.of(run_dir)
     layout.root.mkdir(parents=True, exist_ok=True)
     with open(layout.manifest_lock, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         manifest = read_manifest(run_dir)
-        manifest.setdefault("stages", {})[stage] = entry
+        manifest.setdefault("stages", {})[stage] = result.to_entry()
         atomic_write_json(layout.manifest, manifest)
-    return entry
+    return result
 
 
 def read_manifest(run_dir: str | Path) -> dict:

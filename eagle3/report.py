@@ -17,21 +17,29 @@ def _reasons(entry: dict) -> str:
     return ", ".join(f"{k}={n}" for k, n in sorted(reasons.items(), key=lambda kv: -kv[1])) or "-"
 
 
+def stage_results(run_dir: str | Path) -> dict:
+    """{manifest entry: its typed result (eagle3.results)}, read back from the run's manifest."""
+    from eagle3.results import result_class
+
+    entries = read_manifest(run_dir).get("stages", {})
+    return {name: result_class(name).from_entry(entry) for name, entry in entries.items()}
+
+
 def status_rows(run_dir: str | Path) -> list[dict]:
     path = RunLayout.of(run_dir).manifest
     if not path.exists():
         problem = "does not exist: not a run directory, or no stage has finished yet"
         raise MissingInputError("status", path, "run a stage first (eagle3 run), or name another folder", problem)
-    entries = read_manifest(run_dir).get("stages", {})
+    entries = stage_results(run_dir)
     order = stages.manifest_order()
     return [
         {
             "stage": name,
-            "status": e.get("status", "ok"),
-            "in": e["in"],
-            "ok": e["ok"],
-            "failed": e["failed"],
-            "filtered": e["filtered"],
+            "status": e.status,
+            "in": e.counts.in_,
+            "ok": e.counts.ok,
+            "failed": e.counts.failed,
+            "filtered": e.counts.filtered,
             "reasons": _reasons(e),
         }
         for name, e in sorted(entries.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order))
@@ -75,7 +83,7 @@ def markdown_report(run_dir: str | Path, embed_png: bool = False) -> str:
     """Accounting per stage, errors by kind, token statistics, vocabulary coverage, training
     curves, acceptance and where every output is -- read from the run directory alone."""
     run = Path(run_dir)
-    entries = read_manifest(run).get("stages", {})
+    entries = stage_results(run)
     lines = [
         f"# eagle3 run report: `{run.resolve()}`",
         "",
@@ -111,20 +119,20 @@ def markdown_report(run_dir: str | Path, embed_png: bool = False) -> str:
             ),
         ]
     voc = entries.get("vocab")
-    if voc:
+    if voc is not None:
         lines += [
             (
-                f"- draft vocabulary: {voc['draft_vocab_size']} of {voc['target_vocab_size']} target "
-                f"ids{' (identity)' if voc.get('identity') else ''}, coverage of supervised tokens "
-                f"{100 * voc['coverage']:.2f}%"
+                f"- draft vocabulary: {voc.draft_vocab_size} of {voc.target_vocab_size} target "
+                f"ids{' (identity)' if voc.identity else ''}, coverage of supervised tokens "
+                f"{100 * voc.coverage:.2f}%"
             )
         ]
     ext = entries.get("extract")
-    if ext:
+    if ext is not None:
         lines += [
             (
-                f"- hidden states: layers {ext['layer_ids']} ({ext['mode']}, {ext['backend']} backend), "
-                f"{ext['tokens']} tokens, {ext['bytes'] / 2**20:.1f} MiB"
+                f"- hidden states: layers {list(ext.layer_ids)} ({ext.mode}, {ext.backend} backend), "
+                f"{ext.tokens} tokens, {ext.bytes / 2**20:.1f} MiB"
             )
         ]
     train = entries.get("train")

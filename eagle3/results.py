@@ -5,9 +5,11 @@ back from the manifest by ``eagle3 status`` and the report (``from_entry``), and
 Prefect task publishes as artifacts and returns. Only references cross a task boundary: counts,
 paths, hashes and versions, never data.
 
-Each stage subclasses ``StageResult`` in its own package with its typed fields; the registry
-(``eagle3/stages.py``) names the class. Keys a manifest holds that the class does not know (an
-older or newer version wrote them) are kept in ``extra`` and written back unchanged.
+Every stage's class is below, one place that reads as the contract of the manifest; the registry
+(``eagle3/stages.py``) names each stage's class, and ``eagle3.manifest.record_stage`` builds it, so a
+field a stage records but its class does not declare is an error, not a silent extra key. Keys a
+manifest holds that the class does not know (an older or newer version wrote them) are kept in
+``extra`` and written back unchanged. Optional fields left at None are not written.
 
 A result also reads as its manifest entry (``result["ok"]``, ``dict(result)``): the shape the
 manifest, the Prefect artifacts and code written against the manifest use.
@@ -61,7 +63,7 @@ class StageResult(Mapping):
             if f.name in ("counts", "extra"):
                 continue
             value = getattr(self, f.name)
-            if value is None and f.name == "error":
+            if value is None:
                 continue
             entry[f.name] = _plain(value)
         return {**entry, **self.extra}
@@ -85,3 +87,122 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return value
+
+
+# -- one class per stage (fields in the order the manifest shows them) -----------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrepareStageResult(StageResult):
+    STAGE = "prepare"
+    fingerprint: str = ""  # hash of the source files and settings; a match means nothing to redo
+    source: str = ""
+    source_rows: int = 0
+    shards: tuple[int, ...] = ()  # rows per prompt shard
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateStageResult(StageResult):
+    STAGE = "generate"
+    model: str = ""  # the name requests used
+    deadline_s: float = 0.0  # each request's total deadline
+    replica_benches: Mapping[str, int] | None = None  # {replica URL: times benched}
+    replicas_down_at_start: Mapping[str, str] | None = None
+    server_restarts: int | None = None  # managed server only
+    server_restart_events: tuple[Mapping[str, Any], ...] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenizeStageResult(StageResult):
+    STAGE = "tokenize"
+    tokenizer: str = ""
+    tokens: int = 0
+    supervised_tokens: int = 0
+    truncated_rows: int = 0
+    template_check: Mapping[str, Any] = field(default_factory=dict)  # chat template vs server ids
+
+
+@dataclass(frozen=True, kw_only=True)
+class VocabStageResult(StageResult):
+    STAGE = "vocab"
+    path: str = ""  # draft_vocab.safetensors
+    draft_vocab_size: int = 0
+    target_vocab_size: int = 0
+    coverage: float = 0.0  # share of supervised tokens the draft vocabulary holds
+    identity: bool = False
+    supervised_tokens: int = 0
+    counted: str = ""  # what in/ok count
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExtractStageResult(StageResult):
+    STAGE = "extract"
+    mode: str = "offline"
+    backend: str = "hf"
+    layer_ids: tuple[int, ...] = ()
+    hidden_size: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    model_fingerprint: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainStageResult(StageResult):
+    STAGE = "train"
+    counted: str = ""  # what in/ok count (optimizer steps)
+    total_steps: int = 0
+    best: Mapping[str, Any] | None = None  # the best checkpoint by held-out acceptance length
+    tokens: int = 0
+    world_size: int = 1
+    layer_ids: tuple[int, ...] = ()
+    checkpoints: str = ""
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportStageResult(StageResult):
+    STAGE = "export"
+    checkpoint: str = ""
+    step: int | None = None
+    chosen_by: str = ""
+    target: str = ""
+    paths: Mapping[str, str] = field(default_factory=dict)  # {layout: folder}
+    reused: tuple[str, ...] = ()
+    skipped: Mapping[str, Any] = field(default_factory=dict)  # {layout: reasons}
+    problems: Mapping[str, Any] = field(default_factory=dict)  # {layout: validation problems}
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvaluateStageResult(StageResult):
+    STAGE = "evaluate"
+    path: str = ""  # live.json
+    headline: Mapping[str, Any] | None = None
+    headline_all_temperatures: Mapping[str, Any] = field(default_factory=dict)
+    mean_acceptance_length: Mapping[str, Any] | None = None  # {temperature: value}
+    acceptance_rate: Mapping[str, Any] | None = None
+    untrained_mean_acceptance_length: Mapping[str, Any] | None = None
+    offline_acceptance_length: float | None = None
+    prompt_sets: Mapping[str, Any] = field(default_factory=dict)
+
+
+def result_class(stage: str) -> type[StageResult]:
+    """The registry's result class for ``stage``; the generic base for an entry no stage declares."""
+    from eagle3 import stages
+
+    for declared in stages.STAGES:
+        if declared.name == stage:
+            return stages.resolve(declared.result)
+    return StageResult
+
+
+def build(stage: str, counts: StageCounts, fields: Mapping[str, Any]) -> StageResult:
+    """The stage's typed result from what it records; the generic base keeps unknown fields in ``extra``."""
+    cls = result_class(stage)
+    if cls is StageResult:
+        base = {f.name for f in dataclasses.fields(StageResult)} - {"counts", "extra"}
+        known = {k: v for k, v in fields.items() if k in base}
+        return StageResult(counts=counts, extra={k: v for k, v in fields.items() if k not in base}, **known)
+    try:
+        return cls(counts=counts, **fields)
+    except TypeError as exc:  # a field the class does not declare: a bug in the stage, named
+        raise TypeError(f"stage {stage}: {cls.__name__} cannot hold these fields: {exc}") from None

@@ -36,6 +36,7 @@ class Stage:
     # when it starts the target's server itself); "never".
     reads_model: Literal["always", "managed", "never"] = "always"
     precheck: str | None = None  # "module:function(config)" the CLI runs before a flow run is recorded
+    result: str = "eagle3.results:StageResult"  # "module:Class" of its typed result (its manifest entry)
 
     @property
     def manifest_entries(self) -> tuple[str, ...]:
@@ -52,6 +53,7 @@ STAGES: tuple[Stage, ...] = (
         marker="prompts/done.json",
         package="eagle3.prepare",
         flow="flows.prepare:prepare_flow",
+        result="eagle3.results:PrepareStageResult",
         summary_line="eagle3.prepare.stage:summary_line",
         records=("self_prompts", "prepare"),
         nightly=True,
@@ -66,6 +68,7 @@ STAGES: tuple[Stage, ...] = (
         marker="generations/shard-*.done.json",
         package="eagle3.generate",
         flow="flows.generate:generate_flow",
+        result="eagle3.results:GenerateStageResult",
         summary_line="eagle3.generate.stage:summary_line",
         nightly=True,
         reads_model="managed",
@@ -79,6 +82,7 @@ STAGES: tuple[Stage, ...] = (
         marker="tokenized/shard-*.done.json",
         package="eagle3.tokenize",
         flow="flows.tokenize:tokenize_flow",
+        result="eagle3.results:TokenizeStageResult",
         summary_line="eagle3.tokenize.stage:summary_line",
         nightly=True,
     ),
@@ -91,6 +95,7 @@ STAGES: tuple[Stage, ...] = (
         marker="vocab/done.json",
         package="eagle3.vocab",
         flow="flows.vocab:vocab_flow",
+        result="eagle3.results:VocabStageResult",
         summary_line="eagle3.vocab.stage:summary_line",
     ),
     Stage(
@@ -102,6 +107,7 @@ STAGES: tuple[Stage, ...] = (
         marker="hidden_states/shard-*.done.json",
         package="eagle3.extract",
         flow="flows.extract:extract_flow",
+        result="eagle3.results:ExtractStageResult",
         summary_line="eagle3.extract.stage:summary_line",
         precheck="eagle3.extract.stage:precheck",
     ),
@@ -114,6 +120,7 @@ STAGES: tuple[Stage, ...] = (
         marker="train/done.json",
         package="eagle3.train",
         flow="flows.train:train_flow",
+        result="eagle3.results:TrainStageResult",
         summary_line="eagle3.train.stage:summary_line",
     ),
     Stage(
@@ -125,6 +132,7 @@ STAGES: tuple[Stage, ...] = (
         marker="export/*/export_info.json",
         package="eagle3.export",
         flow="flows.export:export_flow",
+        result="eagle3.results:ExportStageResult",
         summary_line="eagle3.export.stage:summary_line",
     ),
     Stage(
@@ -136,6 +144,7 @@ STAGES: tuple[Stage, ...] = (
         marker="evaluate/live.json",
         package="eagle3.evaluate",
         flow="flows.evaluate:evaluate_flow",
+        result="eagle3.results:EvaluateStageResult",
         summary_line="eagle3.evaluate.live:summary_line",
     ),
 )

@@ -40,9 +40,10 @@ def comparison_markdown(doc: dict) -> str:
 
 
 @task(name="evaluate-live", cache_policy=NO_CACHE)
-def evaluate_task(config: PipelineConfig) -> dict:
+def evaluate_task(config: PipelineConfig):
     from eagle3.evaluate.live import run_evaluate
     from eagle3.evaluate.table import cell_row
+    from eagle3.results import EvaluateStageResult
 
     entry = run_evaluate(config, logger=get_run_logger())
     doc = entry["live"]
@@ -52,4 +53,5 @@ def evaluate_task(config: PipelineConfig) -> dict:
         description="Decode tokens/s and acceptance per method, prompt set, temperature and concurrency (vLLM, live)",
     )
     create_markdown_artifact(key="evaluate-live-vs-offline", markdown=comparison_markdown(doc))
-    return {k: v for k, v in entry.items() if k != "live"}
+    # The typed result, not the live document: only references cross the task boundary.
+    return EvaluateStageResult.from_entry({k: v for k, v in entry.items() if k != "live"})

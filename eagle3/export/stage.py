@@ -148,7 +148,7 @@ def run_export(config: PipelineConfig, logger=None) -> dict:
         raise InvalidExport(error)
     if error:
         raise ExportError(error)
-    return {**entry, "paths": paths}
+    return entry
 
 
 def summary_line(entry: dict, run_dir: str | Path) -> str:

@@ -48,3 +48,24 @@ def test_a_result_is_frozen_and_compares_by_value():
     with pytest.raises(AttributeError):
         result.tokens = 2
     assert result == ShardyResult(counts=StageCounts(1, 1), tokens=1)
+
+
+def test_a_stage_records_its_typed_result_and_refuses_an_undeclared_field(tmp_path):
+    from eagle3.manifest import record_stage
+    from eagle3.report import stage_results
+    from eagle3.results import VocabStageResult
+
+    result = record_stage(tmp_path, "vocab", StageCounts(4, 4), draft_vocab_size=8, coverage=0.5, identity=False)
+    assert isinstance(result, VocabStageResult) and result.draft_vocab_size == 8 and result["coverage"] == 0.5
+    read_back = stage_results(tmp_path)["vocab"]
+    assert isinstance(read_back, VocabStageResult) and read_back.coverage == 0.5 and read_back.recorded_at
+    with pytest.raises(TypeError, match="stage vocab: VocabStageResult cannot hold these fields"):
+        record_stage(tmp_path, "vocab", StageCounts(1, 1), colour="blue")
+
+
+def test_every_registered_stage_names_a_result_class_for_itself():
+    from eagle3 import stages
+
+    for stage in stages.STAGES:
+        cls = stages.resolve(stage.result)
+        assert issubclass(cls, StageResult) and cls.STAGE == stage.name, stage.name
