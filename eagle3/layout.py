@@ -237,6 +237,10 @@ class RunLayout:
     def export(self) -> Path:
         return self.root / "export"
 
+    @property
+    def export_marker(self) -> Path:
+        return marker_path(self.export)
+
     def export_layout(self, name: str) -> Path:
         return self.export / name
 

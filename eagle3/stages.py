@@ -26,7 +26,7 @@ class Stage:
     reads: tuple[str, ...]  # the stages whose output this one reads
     output: str  # what it writes, relative to the run directory
     outputs_doc: str  # what a person finds there (the report's "where everything is")
-    marker: str  # glob of its completion marker(s), relative to the run directory
+    marker: str | None  # glob of its completion marker(s) under the run directory; None: it reruns whole
     package: str  # the library package that does the work (no Prefect in it)
     flow: str  # "module:function" of its Prefect flow; resolved only by flows/ and the CLI
     summary_line: str  # "module:function(entry, run_dir) -> str | None", the CLI's end-of-run line
@@ -129,7 +129,7 @@ STAGES: tuple[Stage, ...] = (
         reads=("train", "vocab"),
         output="export",
         outputs_doc="vllm / speculators / sglang layouts",
-        marker="export/*/export_info.json",
+        marker="export/done.json",
         package="eagle3.export",
         flow="flows.export:export_flow",
         result="eagle3.results:ExportStageResult",
@@ -141,7 +141,7 @@ STAGES: tuple[Stage, ...] = (
         reads=("export", "tokenize"),
         output="evaluate/live.json",
         outputs_doc="live comparison in vLLM (every cell and visit); server logs beside it",
-        marker="evaluate/live.json",
+        marker=None,  # every run measures again: speed is a fact of this machine now
         package="eagle3.evaluate",
         flow="flows.evaluate:evaluate_flow",
         result="eagle3.results:EvaluateStageResult",

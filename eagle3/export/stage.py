@@ -6,12 +6,18 @@
 - A layout that cannot hold this drafter (SGLang's Llama-only EAGLE-3 layer for a Qwen3-style
   drafter, see layouts/sglang.py) is skipped with its reason and counted as ``filtered``; any other
   problem fails the stage.
-- Disk decides what is done: a layout folder whose ``export_info.json`` names the same
-  checkpoint bytes and settings, and that still validates, is kept as it is.
+- Disk decides what is done: the stage's completion marker ``RUN/export/done.json`` (the one
+  protocol, eagle3/markers.py) is keyed on the checkpoint's bytes and the export settings and lists
+  the layouts written; a listed layout that still validates is kept as it is. The marker is removed
+  before any layout is rewritten and written after every layout validates. Each layout folder also
+  holds ``export_info.json``: provenance for whoever loads it (which checkpoint, which settings).
+  Run directories of earlier releases have no marker: their layouts are exported again, in seconds.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import re
 from pathlib import Path
@@ -22,7 +28,6 @@ from eagle3.errors import MissingInputError, run_first
 from eagle3.export.layouts import (
     CKPT_CONFIG,
     EXPORT_VERSION,
-    INFO,
     WEIGHTS,
     ExportError,
     export_checkpoint,
@@ -32,7 +37,9 @@ from eagle3.export.layouts import (
     unsupported_reasons,
     validate_export,
 )
+from eagle3.layout import RunLayout
 from eagle3.manifest import StageCounts, record_stage, versions
+from eagle3.markers import read_marker, remove_marker, write_marker
 
 STAGE = "export"
 _STEP = re.compile(r"step-(\d+)")
@@ -47,7 +54,7 @@ class InvalidExport(ExportError):
 
 
 def out_root(config: PipelineConfig) -> Path:
-    return Path(config.run_dir) / "export"
+    return RunLayout.of(config).export
 
 
 def find_checkpoint(run_dir: str | Path) -> tuple[Path, int | None, str]:
@@ -73,21 +80,16 @@ def find_checkpoint(run_dir: str | Path) -> tuple[Path, int | None, str]:
     return path, step, "highest step"
 
 
-def _up_to_date(folder: Path, layout: str, fingerprint: dict, num_tokens: int, target: str) -> bool:
-    info_path = folder / INFO
-    if not info_path.exists():
-        return False
-    try:
-        info = read_json(info_path)
-    except ValueError:
-        return False
-    same = (
-        info.get("export_version") == EXPORT_VERSION
-        and info.get("source_sha256") == fingerprint
-        and info.get("num_speculative_tokens") == num_tokens
-        and info.get("target") == target
-    )
-    return same and not validate_export(folder, layout, target)
+def _key(fingerprint: dict, num_tokens: int, target: str) -> str:
+    """What an export depends on: the checkpoint's bytes, the draft length, the target, the writer's version."""
+    text = json.dumps([EXPORT_VERSION, fingerprint, num_tokens, str(target)], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _done_layouts(layout: RunLayout, key: str) -> set[str]:
+    """The layouts the stage marker says were written for this key."""
+    marker = read_marker(layout.export_marker, STAGE)
+    return set(marker["paths"]) if marker is not None and marker.key == key else set()
 
 
 def run_export(config: PipelineConfig, logger=None) -> dict:
@@ -106,11 +108,14 @@ def run_export(config: PipelineConfig, logger=None) -> dict:
     for layout, reasons in skipped.items():
         log.warning("export: skipping the %s layout: %s", layout, "; ".join(reasons))
     wanted = [f for f in formats if f not in skipped]
-    root = out_root(config)
+    root, run = out_root(config), RunLayout.of(config)
     fingerprint = source_fingerprint(ckpt)
-    reused = [f for f in wanted if _up_to_date(root / f, f, fingerprint, num_tokens, target)]
+    key = _key(fingerprint, num_tokens, target)
+    done = _done_layouts(run, key)
+    reused = [f for f in wanted if f in done and not validate_export(root / f, f, target)]
     todo = [f for f in wanted if f not in reused]
     if todo:
+        remove_marker(run.export_marker, run.root)  # a kill while rewriting must not leave it vouching
         log.info("export: %s (step %s, chosen by %s) -> %s as %s", ckpt, step, chosen, root, todo)
         export_checkpoint(ckpt, target, root, todo, num_speculative_tokens=num_tokens)
     if reused:
@@ -148,6 +153,7 @@ def run_export(config: PipelineConfig, logger=None) -> dict:
         raise InvalidExport(error)
     if error:
         raise ExportError(error)
+    write_marker(run.export_marker, STAGE, key, counts.as_dict(), paths=paths, skipped=skipped, step=step)
     return entry
 
 

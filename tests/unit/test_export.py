@@ -439,3 +439,25 @@ def test_run_export_records_an_invalid_export(tmp_path, targets, monkeypatch):
         stage.run_export(config)
     entry = read_manifest(tmp_path / "run")["stages"]["export"]
     assert entry["status"] == "failed" and (entry["in"], entry["ok"], entry["failed"]) == (1, 0, 1)
+
+
+def test_the_export_marker_decides_what_is_reused(tmp_path, targets):
+    """RUN/export/done.json (the one marker protocol) vouches for the layouts it lists, for these
+    checkpoint bytes; without it (a kill mid-rewrite, or a run dir of an earlier release) every
+    layout is written again."""
+    from eagle3.export.stage import run_export
+    from eagle3.markers import read_marker
+
+    config = _run_config(tmp_path)
+    ckpts = tmp_path / "run" / "checkpoints"
+    write_untrained_checkpoint(targets["qwen3"], ckpts / "step-000010", seed=1)
+    assert run_export(config)["reused"] == []
+    marker = read_marker(tmp_path / "run" / "export" / "done.json", "export")
+    assert set(marker["paths"]) == {"vllm", "speculators"} and marker.counts["filtered"] == 1 and marker.key
+    assert run_export(config)["reused"] == ["vllm", "speculators"]
+    (tmp_path / "run" / "export" / "done.json").unlink()  # export_info.json alone no longer vouches
+    assert run_export(config)["reused"] == []
+    write_untrained_checkpoint(targets["qwen3"], ckpts / "step-000020", seed=2)  # new bytes: a new key
+    entry = run_export(config)
+    assert entry["reused"] == [] and entry["step"] == 20
+    assert read_marker(tmp_path / "run" / "export" / "done.json", "export").key != marker.key
