@@ -110,6 +110,10 @@ class GenerateStageResult(StageResult):
     replicas_down_at_start: Mapping[str, str] | None = None
     server_restarts: int | None = None  # managed server only
     server_restart_events: tuple[Mapping[str, Any], ...] | None = None
+    samples_per_prompt: int = 1  # counts are of samples: prompts x samples_per_prompt
+    turns: str = "last_turn"  # data.turns; "regenerate": a sample is a whole conversation
+    variants: Mapping[str, int] = field(default_factory=dict)  # samples per sampling variant
+    shortened: Mapping[str, int] | None = None  # regenerate: conversations kept shorter, by reason
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -30,7 +30,8 @@ async def generate_flow(config: PipelineConfig = PipelineConfig()) -> dict:
     limit = asyncio.Semaphore(parallel)
     model, template = expected_target(config)
     out = stage.out_dir(config)
-    if shards and all(is_complete(s, out, gen, model, template) for s in shards):
+    plan = stage.request_plan(config)
+    if shards and all(is_complete(s, out, gen, model, template, **plan) for s in shards):
         # A nightly run with no new or changed prompt: no server start, no request.
         get_run_logger().info(
             "generate: all %d shards complete on disk for this model, sampling and template; no server started",

@@ -25,7 +25,7 @@ class ShardIncomplete(TransientError, RuntimeError):
 
 def _progress_line(name: str, s: dict) -> str:
     return (
-        f"{name}: done {s['done']}+{s['skipped']} on disk / {s['total']}, failed {s['failed']}, filtered "
+        f"{name}: samples done {s['done']}+{s['skipped']} on disk / {s['total']}, failed {s['failed']}, filtered "
         f"{s['filtered']}, in flight {s['in_flight']}, {s['req_per_s']} req/s, {s['tokens_per_s']} tok/s, mean "
         f"completion {s['mean_completion_tokens']} tokens, retries {s['retries'] or '{}'}"
     )
@@ -70,6 +70,7 @@ async def generate_shard_task(config: PipelineConfig, shard: str, target: Target
             logger=logger,
             progress=progress,
             concurrency=concurrency,
+            **stage.request_plan(config),
         )
     finally:
         await pool.close()

@@ -152,13 +152,18 @@ class DataConfig(_Strict):
         ),
     )
     seed: int = Field(0, description="Seed for the row sample (limit) and the shard assignment.")
-    turns: Literal["last_turn", "first_turn", "all_turns"] = Field(
+    turns: Literal["last_turn", "first_turn", "all_turns", "regenerate"] = Field(
         "last_turn",
         description=(
             "Which prompts a conversation yields. last_turn: the conversation up to its last user turn "
             "(earlier turns kept as context, the final answer dropped to be regenerated). first_turn: "
             "system + first user turn only. all_turns: one prompt per user turn, each with the "
-            "conversation before it as context. Default last_turn: one prompt per row, full context."
+            "conversation before it as context. regenerate: one prompt per conversation whose every "
+            "assistant turn the target rewrites in order, turn k answered with the target's own answers to "
+            "turns 1..k-1 in its context (on-policy multi-turn; the dataset's answers are never used), and "
+            "every regenerated turn supervised. Default last_turn: one prompt per row, full context, one "
+            "request; regenerate costs one request per user turn and gives the closest match to multi-turn "
+            "serving."
         ),
     )
     max_prompt_chars: int = Field(

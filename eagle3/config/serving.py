@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -162,6 +162,53 @@ class GenerationConfig(_Strict):
         ),
     )
     top_p: float = Field(0.95, gt=0.0, le=1.0, description="Nucleus sampling; 0.95 is Qwen3's thinking-mode setting.")
+    samples_per_prompt: int = Field(
+        1,
+        ge=1,
+        description=(
+            "Samples generated per prompt, each with its own id (PROMPT_ID for the first, PROMPT_ID~sK after), "
+            "record and accounting. 1: prompts are usually plentiful and a second sample of the same prompt teaches "
+            "less than a new prompt; raise it (2-4, with temperature > 0 or a temperature cycle) when prompts are "
+            "scarce. Raising it later keeps every sample on disk and generates only the new ones."
+        ),
+    )
+    temperatures: list[Annotated[float, Field(ge=0.0)]] = Field(
+        default_factory=list,
+        description=(
+            "Temperature cycle: sample k of a prompt takes entry (hash(prompt) + k) mod len, so the assignment "
+            "depends only on the sample id and a prompt's samples take different entries. Empty (default): every "
+            "sample uses generation.temperature. E.g. [0.0, 0.6, 1.0] covers greedy serving and sampled serving "
+            "in one run."
+        ),
+    )
+    top_ps: list[Annotated[float, Field(gt=0.0, le=1.0)]] = Field(
+        default_factory=list,
+        description="top_p cycle, assigned like temperatures (its own hash). Empty (default): generation.top_p.",
+    )
+    chat_template_kwargs: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description=(
+            "Cycle of chat_template_kwargs sent with each request (vLLM passes them to the chat template), assigned "
+            "like temperatures, e.g. [{enable_thinking = true}, {enable_thinking = false}] for a Qwen3 target served "
+            "both ways. Merged over what generation.reasoning asks for. Empty (default): none sent."
+        ),
+    )
+    reasoning_efforts: list[Literal["minimal", "low", "medium", "high"]] = Field(
+        default_factory=list,
+        description=(
+            "Cycle of reasoning_effort values, for servers and templates that take one (gpt-oss); assigned like "
+            "temperatures. Empty (default): none sent, the template's own default."
+        ),
+    )
+    partial_conversations: Literal["keep", "drop"] = Field(
+        "keep",
+        description=(
+            'With data.turns = "regenerate": what a permanent failure at turn k > 1 leaves. keep (default): turns '
+            "1..k-1 become a shorter conversation (counted ok, and as shortened with the reason): they are the "
+            "target's own answers in the target's own context, as good as any. drop: the conversation is counted "
+            "failed with the turn's error."
+        ),
+    )
     request_timeout_s: float | None = Field(
         None,
         gt=0,

@@ -321,6 +321,8 @@ class Stats:
     filtered: int = 0
     in_flight: int = 0
     completion_tokens: int = 0
+    turns: int = 0  # regenerate mode: earlier turns answered (the last turn of a conversation counts in done)
+    shortened: int = 0  # regenerate mode: conversations kept shorter after a failure
     retries: Counter = field(default_factory=Counter)
     errors: Counter = field(default_factory=Counter)
     started: float = field(default_factory=time.monotonic)
@@ -341,6 +343,7 @@ class Stats:
             "mean_completion_tokens": round(self.completion_tokens / finished, 1) if finished else 0.0,
             "retries": dict(self.retries),
             "errors": dict(self.errors),
+            **({"turns": self.turns, "shortened": self.shortened} if self.turns or self.shortened else {}),
         }
 
 

@@ -34,6 +34,7 @@ import logging
 import random
 import shutil
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +45,9 @@ from eagle3.config import GenerationConfig
 from eagle3.durable import atomic_write_json, read_json, sha256_file, writing
 from eagle3.errors import TransientError
 from eagle3.generate.client import EndpointPool, Stats, deadline_s, request_with_retries
+from eagle3.generate.conversation import finished_turns, run_conversation, shortened_on_disk, turns_path
 from eagle3.generate.records import JsonlAppender, read_ids
+from eagle3.generate.samples import CYCLES, Sample, cycle_key_parts, expand, variant
 from eagle3.layout import generation_files
 from eagle3.markers import Marker, read_marker, remove_marker, write_marker
 from eagle3.schemas import PROMPT_COLUMNS, check_schema
@@ -73,22 +76,34 @@ class ShardResult:
         return self.retryable == 0
 
 
-def generation_key(model: str, gen: GenerationConfig, template_hash: str) -> str:
+def generation_key(
+    model: str, gen: GenerationConfig, template_hash: str, regenerate: bool = False, extras: dict | None = None
+) -> str:
+    """What the records depend on. samples_per_prompt is not in it (raising it adds samples, the
+    old ones stay valid); the cycles, the extra request fields and the regenerate mode are, but only
+    when set, so a run made before they existed keeps its key."""
     parts = {
         "model": model,
         "max_tokens": gen.max_tokens,
         "temperature": gen.temperature,
         "top_p": gen.top_p,
         "template": template_hash,
+        **cycle_key_parts(gen),
     }
+    if regenerate:
+        parts["turns"] = "regenerate"
+    if extras:
+        parts["extras"] = extras
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
 STAGE = "generate"
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", *CYCLES, "samples_per_prompt")
 
 
 def paths(out_dir: Path, shard_file: str) -> dict[str, Path]:
-    return generation_files(out_dir, shard_file)
+    p = generation_files(out_dir, shard_file)
+    return {**p, "turns": turns_path(p["ok"])}
 
 
 def load_prompts(shard_path: Path) -> list[tuple[str, list[dict]]]:
@@ -113,21 +128,29 @@ def _result_from_marker(p: dict[str, Path], shard_file: str, marker: Marker) -> 
     )
 
 
-def _current_marker(p: dict[str, Path], key: str, input_sha: str) -> Marker | None:
+def _current_marker(p: dict[str, Path], key: str, input_sha: str, samples_per_prompt: int) -> Marker | None:
     marker = read_marker(p["done"], STAGE)
     if marker is None:
         return None
     ok = marker.key == key and marker.get("input_sha256") == input_sha and marker.counts["retryable"] == 0
+    ok = ok and marker.get("samples_per_prompt", 1) == samples_per_prompt
     return marker if ok else None
 
 
 def is_complete(
-    shard_path: str | Path, out_dir: str | Path, gen: GenerationConfig, model: str, template_hash: str = ""
+    shard_path: str | Path,
+    out_dir: str | Path,
+    gen: GenerationConfig,
+    model: str,
+    template_hash: str = "",
+    regenerate: bool = False,
+    extras: dict | None = None,
 ) -> bool:
-    """Whether the shard's marker matches its prompts and the generation key (nothing to send)."""
+    """Whether the shard's marker matches its prompts, the generation key and the sample count (nothing to send)."""
     shard_path = Path(shard_path)
     p = paths(Path(out_dir), shard_path.name)
-    return _current_marker(p, generation_key(model, gen, template_hash), sha256_file(shard_path)) is not None
+    key = generation_key(model, gen, template_hash, regenerate, extras)
+    return _current_marker(p, key, sha256_file(shard_path), gen.samples_per_prompt) is not None
 
 
 def _set_aside_stale(p: dict[str, Path], key: str, log) -> None:
@@ -137,7 +160,7 @@ def _set_aside_stale(p: dict[str, Path], key: str, log) -> None:
         return
     stale = p["ok"].parent / f"stale-{old}"
     stale.mkdir(exist_ok=True)
-    for name in ("ok", "filtered", "failed", "done"):
+    for name in ("ok", "filtered", "failed", "turns", "done"):
         if p[name].exists():
             shutil.move(str(p[name]), stale / p[name].name)
     log.warning(
@@ -148,51 +171,72 @@ def _set_aside_stale(p: dict[str, Path], key: str, log) -> None:
 class _Run:
     """The mutable state of one pass over a shard."""
 
-    def __init__(self, prompts, ok_ids, filtered_ids, gen, model, pool, writers, stats, log):
-        self.todo = iter([(i, m) for i, m in prompts if i not in ok_ids and i not in filtered_ids])
+    def __init__(self, samples, ok_ids, filtered_ids, turns_done, gen, model, pool, writers, stats, log, regenerate):
+        self.todo = iter([s for s in samples if s.id not in ok_ids and s.id not in filtered_ids])
         self.ok_ids, self.filtered_ids = set(ok_ids), set(filtered_ids) - set(ok_ids)  # grown as records land
+        self.turns_done = turns_done  # sample id -> finished turn records (regenerate mode)
         self.gen, self.model, self.pool, self.writers, self.stats, self.log = gen, model, pool, writers, stats, log
+        self.regenerate = regenerate
+        self.shortened: dict[str, str] = {}  # sample id -> why it ended early (regenerate mode; from disk, then grown)
         self.failed: dict[str, dict] = {}
-        self.sampling = {"max_tokens": gen.max_tokens, "temperature": gen.temperature, "top_p": gen.top_p}
 
     async def worker(self, rng: random.Random) -> None:
-        for pid, messages in self.todo:
+        for sample in self.todo:
             self.stats.in_flight += 1
             try:
-                await self.one(pid, messages, rng)
+                if self.regenerate:
+                    await run_conversation(self, sample, rng)
+                else:
+                    await self.one(sample, rng)
             finally:
                 self.stats.in_flight -= 1
 
-    async def one(self, pid: str, messages: list[dict], rng: random.Random) -> None:
-        body = {"model": self.model, "messages": messages, **self.sampling, "return_token_ids": True}
-        result, failure, attempts, latency = await request_with_retries(self.pool, body, self.gen, self.stats, rng)
+    async def ask(self, messages: list[dict], sampling: dict, rng: random.Random):
+        body = {"model": self.model, "messages": messages, **sampling, "return_token_ids": True}
+        return await request_with_retries(self.pool, body, self.gen, self.stats, rng)
+
+    async def one(self, sample: Sample, rng: random.Random) -> None:
+        result, failure, attempts, latency = await self.ask(sample.messages, sample.sampling, rng)
         if failure is not None:
-            record = {
-                "id": pid,
-                "error_kind": failure.kind,
-                "message": failure.message,
-                "attempts": attempts,
-                "transient": failure.transient,
-                "at": time.time(),
-            }
-            await self.write("failed", record)
-            self.failed[pid] = record
-            self.stats.failed += 1
-            self.stats.errors[failure.kind] += 1
+            await self.fail(sample, failure, attempts)
             return
-        record = {"id": pid, **result, "sampling": self.sampling, "attempts": attempts, "latency_s": round(latency, 3)}
+        record = {"id": sample.id, **result, "sampling": sample.sampling, "attempts": attempts}
+        record["latency_s"] = round(latency, 3)
+        if sample.id != sample.prompt_id:
+            record["prompt_id"] = sample.prompt_id
         self.stats.completion_tokens += len(result["completion_token_ids"] or [])
-        # A record counts once it is on disk: a write that fails raises before the id is counted.
         if result["finish_reason"] == "length" and not self.gen.keep_truncated:
-            await self.write(
-                "filtered", {**record, "reason": "truncated: finish_reason=length and generation.keep_truncated=false"}
+            await self.filtered(
+                sample, {**record, "reason": "truncated: finish_reason=length and generation.keep_truncated=false"}
             )
-            self.stats.filtered += 1
-            self.filtered_ids.add(pid)
         else:
-            await self.write("ok", record)
-            self.stats.done += 1
-            self.ok_ids.add(pid)
+            await self.ok(sample, record)
+
+    async def fail(self, sample: Sample, failure, attempts: int, **where) -> None:
+        record = {
+            "id": sample.id,
+            "error_kind": failure.kind,
+            "message": failure.message,
+            "attempts": attempts,
+            "transient": failure.transient,
+            "at": time.time(),
+            **where,
+        }
+        await self.write("failed", record)
+        self.failed[sample.id] = record
+        self.stats.failed += 1
+        self.stats.errors[failure.kind] += 1
+
+    # A record counts once it is on disk: a write that fails raises before the id is counted.
+    async def ok(self, sample: Sample, record: dict) -> None:
+        await self.write("ok", record)
+        self.stats.done += 1
+        self.ok_ids.add(sample.id)
+
+    async def filtered(self, sample: Sample, record: dict) -> None:
+        await self.write("filtered", record)
+        self.stats.filtered += 1
+        self.filtered_ids.add(sample.id)
 
     async def write(self, stream: str, record: dict) -> None:
         """Append (flushed at once); the periodic fsync runs off the event loop."""
@@ -235,67 +279,57 @@ async def generate_shard(
     progress: Callable[[dict], None] | None = None,
     progress_every_s: float = 10.0,
     concurrency: int | None = None,
+    regenerate: bool = False,
+    extras: dict | None = None,
 ) -> ShardResult:
-    """Generate every prompt of one shard that is not on disk yet; see the module docstring."""
+    """Generate every sample of one shard that is not on disk yet; see the module docstring.
+
+    regenerate: data.turns = "regenerate" (conversation.py); extras: request fields the reasoning
+    mode adds to every request."""
     log = logger or logging.getLogger(__name__)
     shard_path, out_dir = Path(shard_path), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     p = paths(out_dir, shard_path.name)
-    key, input_sha = generation_key(model, gen, template_hash), sha256_file(shard_path)
+    key, input_sha = generation_key(model, gen, template_hash, regenerate, extras), sha256_file(shard_path)
     lock = _lock(p)
     try:
-        marker = _current_marker(p, key, input_sha)
+        marker = _current_marker(p, key, input_sha, gen.samples_per_prompt)
         if marker is not None:
             log.info("%s: complete on disk, nothing to do", p["ok"].name)
             return _result_from_marker(p, shard_path.name, marker)
         prompts = load_prompts(shard_path)  # a shard with the wrong columns stops here, before anything moves
         _set_aside_stale(p, key, log)
         with writing(p["meta"], "generate"):
-            atomic_write_json(
-                p["meta"],
-                {
-                    "key": key,
-                    "model": model,
-                    "sampling": {"max_tokens": gen.max_tokens, "temperature": gen.temperature, "top_p": gen.top_p},
-                },
-            )
+            meta = {"key": key, "model": model, "sampling": {k: getattr(gen, k) for k in SAMPLING_FIELDS}}
+            atomic_write_json(p["meta"], {**meta, "regenerate": regenerate, "extras": extras or {}})
         remove_marker(p["done"], out_dir)
         ok_ids, filtered_ids = _done_ids(p, log)
-        workers = concurrency or gen.concurrency
+        turns_done = finished_turns(p["turns"], log) if regenerate else {}
+        samples = list(expand(prompts, gen, extras))
+        run = _Run(samples, ok_ids, filtered_ids, turns_done, gen, model, pool, {}, None, log, regenerate)
+        if regenerate:
+            run.shortened = shortened_on_disk(p["ok"])
         return await _generate(
-            p,
-            shard_path.name,
-            prompts,
-            ok_ids,
-            filtered_ids,
-            gen,
-            model,
-            pool,
-            key,
-            input_sha,
-            log,
-            progress,
-            progress_every_s,
-            workers,
+            p, shard_path.name, samples, run, key, input_sha, progress, progress_every_s, concurrency or gen.concurrency
         )
     finally:
         lock.close()
 
 
-async def _generate(
-    p, shard_file, prompts, ok_ids, filtered_ids, gen, model, pool, key, input_sha, log, progress, every_s, workers
-) -> ShardResult:
-    ids = [i for i, _ in prompts]
-    stats = Stats(total=len(ids), skipped=len(ok_ids | filtered_ids))
+async def _generate(p, shard_file, samples, run: _Run, key, input_sha, progress, every_s, workers) -> ShardResult:
+    gen, log = run.gen, run.log
+    run.stats = stats = Stats(total=len(samples), skipped=len(run.ok_ids | run.filtered_ids))
     log.info(
-        "%s: %d prompts, %d already on disk, deadline %.0f s per request",
+        "%s: %d samples (%d per prompt), %d already on disk%s, deadline %.0f s per request",
         p["ok"].name,
-        len(ids),
+        len(samples),
+        gen.samples_per_prompt,
         stats.skipped,
+        f", {sum(map(len, run.turns_done.values()))} turns of open conversations" if run.regenerate else "",
         deadline_s(gen),
     )
-    writers = {k: JsonlAppender(p[k], gen.fsync_every, what="generate") for k in ("ok", "filtered", "failed")}
-    run = _Run(prompts, ok_ids, filtered_ids, gen, model, pool, writers, stats, log)
+    streams = ("ok", "filtered", "failed", "turns") if run.regenerate else ("ok", "filtered", "failed")
+    run.writers = writers = {k: JsonlAppender(p[k], gen.fsync_every, what="generate") for k in streams}
     reporter = asyncio.create_task(_report(stats, every_s, progress)) if progress else None
     tasks = [asyncio.create_task(run.worker(random.Random(f"{key}:{k}"))) for k in range(workers)]
     try:
@@ -312,7 +346,17 @@ async def _generate(
         if reporter:
             reporter.cancel()
     _close_all(writers, log, raise_first=True)  # the last fsync; a failure raises DiskWriteError before any marker
-    return _finish(p, shard_file, ids, run, key, input_sha, log, progress)
+    return _finish(p, shard_file, samples, run, key, input_sha, log, progress)
+
+
+def _turn_counts(run: _Run) -> dict:
+    """Regenerate mode: conversations kept shorter (on disk, all passes) by reason, and this pass's turns."""
+    reasons = Counter(r for i, r in run.shortened.items() if i in run.ok_ids)
+    return {
+        "shortened": sum(reasons.values()),
+        "shortened_by_reason": dict(reasons),
+        "turns_this_pass": run.stats.turns,
+    }
 
 
 def _close_all(writers: dict[str, JsonlAppender], log, raise_first: bool) -> None:
@@ -330,16 +374,19 @@ def _close_all(writers: dict[str, JsonlAppender], log, raise_first: bool) -> Non
         raise first
 
 
-def _finish(p, shard_file, ids, run: _Run, key, input_sha, log, progress) -> ShardResult:
+def _finish(p, shard_file, samples, run: _Run, key, input_sha, log, progress) -> ShardResult:
     # What was on disk at the start plus what this pass appended (no second read of the records).
     ok_ids, filtered_ids = run.ok_ids, run.filtered_ids - run.ok_ids
+    ids = [s.id for s in samples]
     wanted = set(ids)
     failed = {i: r for i, r in run.failed.items() if i not in ok_ids and i not in filtered_ids}
     lost = wanted - ok_ids - filtered_ids - set(failed)
     if lost:  # cannot happen unless records vanish underneath us; say so rather than undercount
         raise RuntimeError(
-            f"{p['ok'].name}: {len(lost)} prompts have neither a record nor a failure (e.g. {sorted(lost)[:3]})"
+            f"{p['ok'].name}: {len(lost)} samples have neither a record nor a failure (e.g. {sorted(lost)[:3]})"
         )
+    # Per sampling variant, the samples that ended ok or filtered (the settings follow from the id).
+    variants = Counter(variant(s.sampling) for s in samples if s.id in ok_ids or s.id in filtered_ids)
     counts = {
         "in": len(wanted),
         "ok": len(ok_ids & wanted),
@@ -360,6 +407,9 @@ def _finish(p, shard_file, ids, run: _Run, key, input_sha, log, progress) -> Sha
         errors=errors,
         retries=snapshot["retries"],
         stats=snapshot,
+        samples_per_prompt=run.gen.samples_per_prompt,
+        variants=dict(sorted(variants.items())),
+        **({"turns": _turn_counts(run)} if run.regenerate else {}),
     )
     if progress:
         progress(snapshot)

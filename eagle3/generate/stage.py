@@ -6,7 +6,9 @@ the stage, records it in the manifest, and fails the stage loudly when too much 
 
 from __future__ import annotations
 
+import json
 import math
+from collections import Counter
 from pathlib import Path
 
 from eagle3.config import GenerationConfig, PipelineConfig, section_hash
@@ -46,14 +48,21 @@ def shard_timeout_s(num_prompts: int, concurrency: int, gen: GenerationConfig) -
 
 
 def summarize(config: PipelineConfig, shards: list[Path]) -> dict:
-    """Add up every shard's marker; a shard without one counts its unfinished prompts as failed."""
+    """Add up every shard's marker; a shard without one counts its unfinished samples as failed.
+
+    Beside the counts: samples per sampling variant (temperature, top_p, reasoning settings) and,
+    in regenerate mode, conversations kept shorter by reason."""
     totals = {"in": 0, "ok": 0, "failed": 0, "filtered": 0, "retryable": 0}
     errors: dict[str, int] = {}
+    variants: Counter = Counter()
+    shortened: Counter = Counter()
     incomplete = []
     for shard in shards:
         done = read_marker(paths(out_dir(config), shard.name)["done"], STAGE)
         if done is not None:
             counts, kinds = done.counts, done["errors"]
+            variants.update(done.get("variants") or {})
+            shortened.update((done.get("turns") or {}).get("shortened_by_reason") or {})
         else:
             counts, kinds = _unfinished(config, shard), {"shard_incomplete": None}
             incomplete.append(shard.name)
@@ -61,16 +70,31 @@ def summarize(config: PipelineConfig, shards: list[Path]) -> dict:
             totals[k] += counts[k]
         for kind, n in kinds.items():
             errors[kind] = errors.get(kind, 0) + (n if n is not None else counts["failed"])
-    return {**totals, "errors": errors, "incomplete_shards": incomplete}
+    out = {**totals, "errors": errors, "incomplete_shards": incomplete, "variants": _readable(variants)}
+    if config.data.turns == "regenerate":
+        out["shortened"] = dict(shortened)
+    return out
+
+
+def _readable(variants: Counter) -> dict[str, int]:
+    """Variant labels as 'temperature=0.6 top_p=0.95 ...' for the manifest and the report."""
+    out: dict[str, int] = {}
+    for label, n in sorted(variants.items()):
+        fields = json.loads(label)
+        text = " ".join(f"{k}={json.dumps(v, sort_keys=True) if isinstance(v, dict) else v}" for k, v in fields.items())
+        out[text] = out.get(text, 0) + n
+    return out
 
 
 def _unfinished(config: PipelineConfig, shard: Path) -> dict:
     import pyarrow.parquet as pq
 
     from eagle3.generate.records import read_ids
+    from eagle3.generate.samples import expected_ids
 
     p = paths(out_dir(config), shard.name)
-    ids = set(pq.read_table(shard, columns=["id"]).column("id").to_pylist())
+    prompt_ids = pq.read_table(shard, columns=["id"]).column("id").to_pylist()
+    ids = set(expected_ids(prompt_ids, config.generation.samples_per_prompt))
     ok = read_ids(p["ok"]) & ids
     filtered = (read_ids(p["filtered"]) & ids) - ok
     failed = len(ids) - len(ok) - len(filtered)
@@ -87,7 +111,7 @@ def record(config: PipelineConfig, summary: dict, model: str, server: dict | Non
     error = None
     if fraction > gen.max_failure_fraction or summary["incomplete_shards"]:
         error = (
-            f"generate: {summary['failed']} of {summary['in']} prompts failed ({fraction:.2%}; "
+            f"generate: {summary['failed']} of {summary['in']} samples failed ({fraction:.2%}; "
             f"generation.max_failure_fraction={gen.max_failure_fraction}); errors by kind: {summary['errors']}; "
             f"incomplete shards: {summary['incomplete_shards'] or 'none'}. Rerunning resumes: finished samples "
             "are kept."
@@ -106,6 +130,10 @@ def record(config: PipelineConfig, summary: dict, model: str, server: dict | Non
         config_hash=section_hash(gen),
         deadline_s=deadline_s(gen),
         versions=versions("openai", "httpx"),
+        samples_per_prompt=gen.samples_per_prompt,
+        turns=config.data.turns,
+        variants=summary.get("variants", {}),
+        **({"shortened": summary["shortened"]} if "shortened" in summary else {}),
         **(server or {}),
     )
     if error:
@@ -122,6 +150,12 @@ def expected_target(config: PipelineConfig) -> tuple[str, str]:
         return server.served_model_name or server.model, ""
     path = resolve_model(server.model)
     return served_name(server.model, path, server.served_model_name), template_hash(path)
+
+
+def request_plan(config: PipelineConfig) -> dict:
+    """The keyword arguments of generate_shard / is_complete / generation_key that come from outside
+    [generation]: the regenerate mode (data.turns) and the request fields the reasoning mode adds."""
+    return {"regenerate": config.data.turns == "regenerate", "extras": None}
 
 
 def summary_line(entry: dict, run_dir: str | Path) -> str:

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from eagle3.errors import InputError
 
-Turns = Literal["last_turn", "first_turn", "all_turns"]
+Turns = Literal["last_turn", "first_turn", "all_turns", "regenerate"]
 
 ROLES = {
     "human": "user",
@@ -114,7 +114,7 @@ def _prefix_ends(conv: list[tuple[str, str]], turns: Turns) -> list[int]:
         return [users[0] + 1]
     if turns == "all_turns":
         return [i + 1 for i in users]
-    return [users[-1] + 1]
+    return [users[-1] + 1]  # last_turn, and regenerate (generation replaces the dataset's answers)
 
 
 def _check_prompt(messages: tuple[tuple[str, str], ...], max_chars: int) -> Prompt:

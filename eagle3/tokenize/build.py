@@ -256,6 +256,66 @@ def _by_prefix_diff(tokenizer, messages: list[dict], kwargs: dict) -> Sample:
     return Sample.of(ids, mask, "template")
 
 
+def _strip_reasoning(message: dict) -> dict:
+    return {k: v for k, v in message.items() if k != "reasoning_content"}
+
+
+def history_mask(
+    tokenizer, context: list[dict], prompt_ids: list[int], kwargs: dict | None = None
+) -> np.ndarray | None:
+    """1 on every earlier assistant turn of ``context`` (the target's own answers, on-policy
+    multi-turn) inside the server's ``prompt_ids``, 0 elsewhere; None when the template's pieces
+    do not line up with those ids (the caller then supervises the last answer only, and counts it).
+
+    With generation markers the template marks the spans itself. Otherwise each turn's span is
+    found by rendering the prefixes around it (as ``_by_prefix_diff``); a template that renders a
+    turn's reasoning only while it is the last turn (Qwen3's) is tried again with that reasoning
+    removed, which is how the template renders it once a later user turn follows. Every span is
+    checked against the server's ids, so a guess that is wrong is never used."""
+    kwargs = kwargs or {}
+    if GENERATION_TAG.search(tokenizer.chat_template or ""):
+        out = tokenizer.apply_chat_template(
+            context,
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
+            add_generation_prompt=True,
+            **kwargs,
+        )
+        if list(out["input_ids"]) != list(prompt_ids):
+            return None
+        return np.asarray(out["assistant_masks"], dtype=np.uint8)
+    mask = np.zeros(len(prompt_ids), dtype=np.uint8)
+    for k, message in enumerate(context):
+        if message["role"] != "assistant":
+            continue
+        before = render_ids(tokenizer, context[:k], add_generation_prompt=True, **kwargs)
+        for candidate in (message, _strip_reasoning(message)):
+            upto = render_ids(tokenizer, [*context[:k], candidate], **kwargs)
+            if list(prompt_ids[: len(upto)]) == upto and upto[: len(before)] == before and len(upto) > len(before):
+                mask[len(before) : len(upto)] = 1
+                break
+        else:
+            return None
+    return mask
+
+
+def from_regenerated(record: dict, context: list[dict], tokenizer, vocab_size: int) -> tuple[Sample, bool]:
+    """A regenerated conversation (data.turns = "regenerate"): the server's exact ids, the last answer
+    supervised and, where the template's rendering lines up with those ids, every earlier answer of
+    the target too. Returns (sample, whether the earlier answers are supervised)."""
+    sample = from_server_ids(record, vocab_size)
+    if record.get("regenerated_turns", 1) <= 1:
+        return sample, True
+    kwargs = (record.get("sampling") or {}).get("chat_template_kwargs") or {}
+    history = history_mask(tokenizer, context, record["prompt_token_ids"], kwargs)
+    if history is None:
+        return sample, False
+    mask = sample.loss_mask.copy()
+    mask[: len(history)] |= history
+    return Sample(sample.input_ids, mask, sample.path), True
+
+
 def fit_length(sample: Sample, max_len: int, overflow: str) -> tuple[Sample, bool]:
     """Apply tokenize.max_seq_len: (sample, was_truncated); RowError when dropped or left unsupervised."""
     truncated = len(sample.input_ids) > max_len

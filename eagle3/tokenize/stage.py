@@ -46,6 +46,7 @@ from eagle3.tokenize.build import (
     Sample,
     conversation,
     fit_length,
+    from_regenerated,
     from_server_ids,
     from_template_batch,
     has_ids,
@@ -160,14 +161,14 @@ def read_done(path: Path) -> Marker | None:
 def _check_generation_settings(config: PipelineConfig, p: dict, shard: str) -> None:
     """Records made by another model, sampling or chat template than the config's are refused by name."""
     from eagle3.generate.shard import STAGE as GENERATE, generation_key
-    from eagle3.generate.stage import expected_target
+    from eagle3.generate.stage import expected_target, request_plan
 
     made = read_marker(p["gen_done"], GENERATE).key
     if made is None:
         return
     model, template = expected_target(config)
     gen = config.generation
-    if made != generation_key(model, gen, template):
+    if made != generation_key(model, gen, template, **request_plan(config)):
         meta = read_json(p["gen_meta"]) if p["gen_meta"].exists() else {}
         problem = (
             f"was made by model {meta.get('model', '?')!r} with sampling {meta.get('sampling', '?')}, but the "
@@ -215,10 +216,30 @@ def _check_template(tokenizer, messages, record, sample: Sample, checks: dict) -
         checks["full_mismatch"] += 1
 
 
-def _server_sample(record: dict, messages: dict, tokenizer, vocab: int, acc: _Acc, check: bool) -> Sample:
-    sample = from_server_ids(record, vocab)
+def _messages_of(record: dict, messages: dict) -> list[dict]:
+    """The prompt a record answers: its own context (a regenerated conversation carries the
+    target's earlier answers), else its prompt's messages (by prompt_id for samples k > 0)."""
+    rid = record.get("id")
+    pid = record.get("prompt_id", rid)
+    if not isinstance(rid, str) or not isinstance(pid, str) or pid not in messages:
+        raise RowError("unknown_id", f"id {rid!r} (prompt {pid!r}) is not in the prompt shard")
+    own = record.get("messages")
+    if own is None:
+        return messages[pid]
+    if not isinstance(own, list) or not all(isinstance(m, dict) and "role" in m for m in own):
+        raise RowError("bad_record", "messages is not a list of {role, content} objects")
+    return own
+
+
+def _server_sample(record: dict, context: list[dict], tokenizer, vocab: int, acc: _Acc, check: bool) -> Sample:
+    if record.get("regenerated_turns", 1) > 1:  # the target's own earlier answers: supervised too
+        sample, history = from_regenerated(record, context, tokenizer, vocab)
+        name = "history_supervised" if history else "history_unsupervised"
+        acc.checks[name] = acc.checks.get(name, 0) + 1
+    else:
+        sample = from_server_ids(record, vocab)
     if check:
-        _check_template(tokenizer, messages[record["id"]], record, sample, acc.checks)
+        _check_template(tokenizer, context, record, sample, acc.checks)
     return sample
 
 
@@ -254,14 +275,12 @@ def _chunk(
     for k, record, refused in records:
         if refused is not None:
             continue
-        rid = record.get("id")
         try:
-            if not isinstance(rid, str) or rid not in messages:
-                raise RowError("unknown_id", f"id {rid!r} is not in the prompt shard")
+            context = _messages_of(record, messages)
             if has_ids(record):
-                samples[k] = _server_sample(record, messages, tokenizer, vocab, acc, k % every == 0)
+                samples[k] = _server_sample(record, context, tokenizer, vocab, acc, k % every == 0)
             else:
-                pending.append((k, conversation(messages[rid], record)))
+                pending.append((k, conversation(context, record)))
         except RowError as err:
             samples[k] = err
     encoded = from_template_batch(tokenizer, [c for _, c in pending], executor)

@@ -33,6 +33,36 @@ CONVERSATIONS = {
 
 TEMPLATES = ("tiny-qwen3", "tiny-llama", "plain-chatml")
 
+# data.turns = "regenerate": the context of the third turn holds the target's own answers to the first
+# two (as generation puts them back: content, and reasoning when the server split it off); the record
+# carries the server's ids of that context and of the third answer.
+REGENERATED_CONTEXT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Name a prime."},
+    {"role": "assistant", "content": "7", "reasoning_content": "Seven has no divisors."},
+    {"role": "user", "content": "And an even one?"},
+    {"role": "assistant", "content": "2", "reasoning_content": "Two is the only even prime."},
+    {"role": "user", "content": "Their sum?"},
+]
+REGENERATED_ANSWER = {"content": "9", "reasoning": "Seven plus two."}
+
+
+def regenerated_record(tok) -> dict:
+    """The record generation writes for REGENERATED_CONTEXT, with ids as the server makes them
+    (the template's rendering, the answer's ids being what follows the generation prompt)."""
+    from eagle3.tokenize.build import conversation, render_ids
+
+    prompt = render_ids(tok, REGENERATED_CONTEXT, add_generation_prompt=True)
+    full = render_ids(tok, conversation(REGENERATED_CONTEXT, REGENERATED_ANSWER))
+    assert full[: len(prompt)] == prompt, "the template's generation prompt is not a prefix of the answered turn"
+    return {
+        **REGENERATED_ANSWER,
+        "prompt_token_ids": prompt,
+        "completion_token_ids": full[len(prompt) :],
+        "regenerated_turns": 3,
+        "messages": REGENERATED_CONTEXT,
+    }
+
 
 def tokenizer_for(name: str):
     from transformers import AutoTokenizer
@@ -46,7 +76,7 @@ def tokenizer_for(name: str):
 
 
 def render_all() -> dict:
-    from eagle3.tokenize.build import from_template
+    from eagle3.tokenize.build import from_regenerated, from_template
 
     out = {}
     for name in TEMPLATES:
@@ -57,6 +87,9 @@ def render_all() -> dict:
                 "input_ids": sample.input_ids.tolist(),
                 "loss_mask": sample.loss_mask.tolist(),
             }
+        sample, history = from_regenerated(regenerated_record(tok), REGENERATED_CONTEXT, tok, len(tok))
+        assert history, f"{name}: the earlier answers of a regenerated conversation are not supervised"
+        out[f"{name}/regenerated"] = {"input_ids": sample.input_ids.tolist(), "loss_mask": sample.loss_mask.tolist()}
     return out
 
 
