@@ -6,6 +6,7 @@ last test stops it and checks the process group is gone.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -163,6 +164,90 @@ def test_the_target_writes_prompts_through_completions(server, tmp_path):
     for r in raw:  # the prefix went in as is: no second BOS, nothing re-templated
         prefix = plan.prefixes[r["system"]].prefix
         assert r["usage"]["prompt_tokens"] == len(tok(prefix, add_special_tokens=False).input_ids)
+
+
+def test_regenerated_conversations_are_supervised_on_the_servers_ids(server, tmp_path):
+    """data.turns = "regenerate" on the real server (folded into this file's one server start): every turn
+    is answered with the target's own earlier answers in context, and the chat template's rendering of
+    those answers lines up with the server's prompt ids, so tokenize supervises every turn exactly."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from eagle3.config import DEMO_RECIPE, load_config
+    from eagle3.generate.client import EndpointPool
+    from eagle3.generate.records import read_records
+    from eagle3.generate.shard import generate_shard, paths
+    from eagle3.models import template_hash
+    from eagle3.prepare.stage import run_prepare
+    from eagle3.tokenize.build import from_regenerated
+
+    src = tmp_path / "convs.jsonl"
+    rows = [
+        [("Name a color.", "Red."), ("And a fruit?", "Apple."), ("Which is sweeter?", "The apple.")],
+        [("Count to three.", "1 2 3"), ("Now backwards.", "3 2 1")],
+    ]
+    src.write_text(
+        "".join(
+            json.dumps(
+                {"conversations": [{"from": f, "value": v} for u, a in conv for f, v in (("human", u), ("gpt", a))]}
+            )
+            + "\n"
+            for conv in rows
+        )
+    )
+    config = load_config(
+        DEMO_RECIPE,
+        [
+            f'run_dir="{tmp_path / "run"}"',
+            f'data.source="{src}"',
+            "data.num_shards=1",
+            "data.turns=regenerate",
+            "generation.samples_per_prompt=2",
+            "generation.temperatures=[0.0, 1.0]",
+            "generation.max_tokens=24",
+        ],
+    )
+    shard = Path(run_prepare(config).out_dir) / "shard-00000.parquet"
+
+    async def ask():
+        pool = EndpointPool([server.base_url], server.api_key, 4, 60.0)
+        try:
+            return await generate_shard(
+                shard,
+                tmp_path / "run" / "generations",
+                config.generation,
+                SERVED,
+                pool,
+                template_hash(server.model),
+                regenerate=True,
+            )
+        finally:
+            await pool.close()
+
+    result = asyncio.run(ask())
+    assert (result.in_, result.ok, result.failed) == (4, 4, 0)
+    files = paths(tmp_path / "run" / "generations", shard.name)
+    records = read_records(files["ok"])
+    assert len(read_records(files["turns"])) == 2 * (2 + 1)  # the earlier turns of each conversation sample
+    tok = AutoTokenizer.from_pretrained(server.model)
+    for rec in records:
+        sample, history = from_regenerated(rec, rec["messages"], tok, len(tok))
+        assert history, f"{rec['id']}: the template's rendering does not line up with the server's prompt ids"
+        ids, mask = sample.input_ids.tolist(), sample.loss_mask.tolist()
+        spans, cur = [], []
+        for i, m in zip(ids, mask):
+            if m:
+                cur.append(i)
+            elif cur:
+                spans.append(cur)
+                cur = []
+        spans.append(cur)
+        answers = [m for m in rec["messages"] if m["role"] == "assistant"]
+        assert len(spans) == rec["regenerated_turns"] == len(answers) + 1
+        for span, answer in zip(spans, answers):  # earlier answers: content as the template renders history
+            assert tok.decode(span) == answer["content"].lstrip("\n") + "<|im_end|>"
+        assert spans[-1] == rec["completion_token_ids"]
 
 
 def test_stop_leaves_no_process_of_the_group(server):
