@@ -157,6 +157,14 @@ class TrainConfig(_Strict):
     )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (EAGLE-3 trains without).")
     grad_clip: float = Field(0.5, gt=0, description="Gradient-norm clip per optimizer step (EAGLE-3 recipes: 0.5).")
+    max_steps: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Stop after this many optimizer steps (the learning-rate schedule spans them), whatever epochs says. "
+            "Default: none, epochs decide. Set it to compare two datasets at the same training compute."
+        ),
+    )
     epochs: int = Field(
         2,
         ge=1,

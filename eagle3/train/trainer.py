@@ -127,6 +127,8 @@ class Trainer:
         self.batches = micro_batches(self.data.train, self.tc.batch_tokens)
         self.steps_per_epoch = math.ceil(len(self.batches) / (self.dist.world * self.tc.grad_accum))
         self.total_steps = self.steps_per_epoch * self.tc.epochs
+        if self.tc.max_steps is not None:  # a fixed compute budget: the schedule spans the capped run
+            self.total_steps = min(self.total_steps, self.tc.max_steps)
         self.wrapped = self._wrap()
         self.trainable = [
             p for p in self.model.parameters() if p.requires_grad
@@ -183,15 +185,19 @@ class Trainer:
         self._resume()
         started = time.perf_counter()
         for epoch in range(self.step // self.steps_per_epoch, self.tc.epochs):
+            if self.step >= self.total_steps:
+                break
             plan = epoch_steps(len(self.batches), self.tc.seed, epoch, self.dist.world, self.tc.grad_accum)
             for i, per_rank in enumerate(plan):
                 if epoch * self.steps_per_epoch + i < self.step:
                     continue
+                if self.step >= self.total_steps:  # train.max_steps reached
+                    break
                 t0 = time.perf_counter()
                 stats, tokens = self._optimizer_step(per_rank)
                 self.step += 1
                 self._log_step(epoch, stats, tokens, time.perf_counter() - t0)
-                end_of_epoch = i == len(plan) - 1
+                end_of_epoch = i == len(plan) - 1 or self.step == self.total_steps
                 evaluate = (self.tc.eval_every_steps and self.step % self.tc.eval_every_steps == 0) or (
                     not self.tc.eval_every_steps and end_of_epoch
                 )

@@ -288,6 +288,24 @@ def test_training_beats_the_untrained_drafter_on_held_out_data_and_picks_the_bes
     assert Path(best["path"]).name == f"step-{best['step']:06d}" and (Path(best["path"]) / "model.safetensors").exists()
 
 
+def test_max_steps_caps_the_run_and_its_schedule(tmp_path):
+    from eagle3.models import resolve_model
+    from eagle3.train.trainer import Dist, Trainer
+
+    config, names = make_train_run(tmp_path, "train.epochs=5", "train.max_steps=3", "train.eval_every_steps=0")
+    trainer = Trainer(config, names, resolve_model("tiny:qwen3"), [1, 2, 3], Dist(), log=lambda m: None)
+    assert trainer.steps_per_epoch * 5 > 3 == trainer.total_steps
+    result = trainer.train()
+    log = lines(Path(config.run_dir) / "train" / "log.jsonl")
+    assert result["steps"] == 3 and [x["step"] for x in log] == [1, 2, 3]
+    from eagle3.train.trainer import lr_at
+
+    # The schedule spans the 3 steps, not 5 epochs: the last step runs at the end of the cosine.
+    assert [x["lr"] for x in log] == pytest.approx([lr_at(k, 3, config.train) for k in range(3)])
+    assert len(lines(Path(config.run_dir) / "train" / "eval.jsonl")) == 1  # the capped run is evaluated at its end
+    assert (Path(config.run_dir) / "checkpoints" / "best.json").exists()
+
+
 def test_two_runs_on_one_machine_train_at_once(tmp_path):
     """The default rendezvous takes a free port: a second run on the same machine (a nightly
     schedule next to a manual run) trains, where a fixed port failed it with EADDRINUSE."""
