@@ -481,8 +481,9 @@ def record(config: PipelineConfig, results: list[TokenizeResult], tok_path: str)
     for r in results:
         for k, n in r.reasons.items():
             reasons[k] = reasons.get(k, 0) + n
-        for k in checks:
-            checks[k] += r.template_check[k]
+        for k, n in r.template_check.items():  # the fixed checks, and history_* on regenerated conversations
+            if isinstance(n, int):
+                checks[k] = checks.get(k, 0) + n
     counts = StageCounts(
         sum(r.in_ for r in results), sum(r.ok for r in results), 0, sum(r.filtered for r in results), reasons
     )
