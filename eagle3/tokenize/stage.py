@@ -40,10 +40,12 @@ from eagle3.errors import InputError, MissingInputError, run_first
 from eagle3.generate.records import read_records
 from eagle3.layout import RunLayout
 from eagle3.markers import Marker, read_marker, remove_marker, write_marker
+from eagle3.reasoning import key_parts, template_kwargs
 from eagle3.schemas import PROMPT_COLUMNS, check_schema, tokenizer_hash
 from eagle3.tokenize.build import (
     RowError,
     Sample,
+    answer_only,
     conversation,
     fit_length,
     from_server_ids,
@@ -180,6 +182,7 @@ def _check_generation_settings(config: PipelineConfig, p: dict, shard: str) -> N
 
 def _key(p: dict, config: PipelineConfig, tok_fp: str) -> str:
     parts = [sha256_file(p["generations"]), sha256_file(p["prompts"]), tok_fp, section_hash(config.tokenize)]
+    parts += key_parts(config.generation.reasoning)  # drop / disable change what is supervised
     return hashlib.sha256(":".join(parts).encode()).hexdigest()[:16]
 
 
@@ -204,21 +207,21 @@ class _Acc:
         self.rejected.append({"id": record_id, "kind": kind, "reason": reason})
 
 
-def _check_template(tokenizer, messages, record, sample: Sample, checks: dict) -> None:
+def _check_template(tokenizer, messages, record, sample: Sample, checks: dict, kwargs: dict) -> None:
     """Does the chat template reproduce the server's ids for this conversation?"""
     checks["checked"] += 1
     prompt = record["prompt_token_ids"]
-    if render_ids(tokenizer, messages, add_generation_prompt=True) != prompt:
+    if render_ids(tokenizer, messages, add_generation_prompt=True, **kwargs) != prompt:
         checks["prompt_mismatch"] += 1
-    full = render_ids(tokenizer, conversation(messages, record))
+    full = render_ids(tokenizer, conversation(messages, record), **kwargs)
     if full[: len(sample.input_ids)] != sample.input_ids.tolist():
         checks["full_mismatch"] += 1
 
 
-def _server_sample(record: dict, messages: dict, tokenizer, vocab: int, acc: _Acc, check: bool) -> Sample:
+def _server_sample(record: dict, messages: dict, tokenizer, vocab: int, acc: _Acc, check: bool, kw: dict) -> Sample:
     sample = from_server_ids(record, vocab)
     if check:
-        _check_template(tokenizer, messages[record["id"]], record, sample, acc.checks)
+        _check_template(tokenizer, messages[record["id"]], record, sample, acc.checks, kw)
     return sample
 
 
@@ -245,10 +248,11 @@ def _chunk(
     acc: _Acc,
     every: int,
     executor,
+    kwargs: dict,
 ):
-    """Start one chunk: server-id rows one by one, template rows rendered together and their
-    encode handed to ``executor``. Returns the function that finishes the chunk (in record order,
-    rows refused while reading included)."""
+    """Start one chunk: server-id and drop rows one by one, template rows rendered together (with
+    ``kwargs``, the reasoning mode's template variables) and their encode handed to ``executor``.
+    Returns the function that finishes the chunk (in record order, rows refused while reading included)."""
     samples: dict[int, Sample | RowError] = {}
     pending: list[tuple[int, list[dict]]] = []
     for k, record, refused in records:
@@ -258,13 +262,15 @@ def _chunk(
         try:
             if not isinstance(rid, str) or rid not in messages:
                 raise RowError("unknown_id", f"id {rid!r} is not in the prompt shard")
-            if has_ids(record):
-                samples[k] = _server_sample(record, messages, tokenizer, vocab, acc, k % every == 0)
+            if config.generation.reasoning == "drop":
+                samples[k] = answer_only(tokenizer, messages[rid], record, vocab)
+            elif has_ids(record):
+                samples[k] = _server_sample(record, messages, tokenizer, vocab, acc, k % every == 0, kwargs)
             else:
                 pending.append((k, conversation(messages[rid], record)))
         except RowError as err:
             samples[k] = err
-    encoded = from_template_batch(tokenizer, [c for _, c in pending], executor)
+    encoded = from_template_batch(tokenizer, [c for _, c in pending], executor, kwargs)
 
     def finish() -> None:
         for (k, _), sample in zip(pending, encoded()):
@@ -379,6 +385,7 @@ def tokenize_shard(config: PipelineConfig, shard: str, tokenizer, tok_path: str,
         problem = f"not found: shard {shard} has not finished generating"
         raise MissingInputError("tokenize", p["gen_done"], run_first("eagle3 generate"), problem)
     _check_generation_settings(config, p, shard)
+    kwargs = template_kwargs(config.generation.reasoning, tokenizer.chat_template or "", tok_path)  # or a config error
     key = _key(p, config, tokenizer_fingerprint(tok_path))
     done = read_done(p["done"])
     if done is not None and done.key == key and p["parquet"].exists():
@@ -398,7 +405,7 @@ def tokenize_shard(config: PipelineConfig, shard: str, tokenizer, tok_path: str,
         ) as executor:  # chunks k, k+1 encode while k+2 renders
             for k, record in enumerate(records + [None]):
                 if record is None or len(chunk) == CHUNK or chars >= CHUNK_CHARS:
-                    unfinished.append(_chunk(chunk, messages, tokenizer, vocab, config, acc, every, executor))
+                    unfinished.append(_chunk(chunk, messages, tokenizer, vocab, config, acc, every, executor, kwargs))
                     chunk, chars = [], 0
                     while len(unfinished) > (IN_FLIGHT if record is not None else 0):
                         unfinished.popleft()()
