@@ -162,6 +162,28 @@ def template_sources(config) -> list[str]:
     return list(dict.fromkeys(specs))
 
 
+def _named(spec: str, folder: str) -> str:
+    return spec if folder == spec else f"{spec} ({folder})"
+
+
+def served_template(config) -> tuple[str, str]:
+    """(text, name) of the chat template the target's server renders requests with: the served
+    model's in managed mode; in external mode the local copy tokenize reads (tokenize.tokenizer,
+    else server.model). A ``--chat-template`` in server.args is not read."""
+    from eagle3.models import chat_template_text, resolve_model
+
+    server = config.server
+    spec = server.model if server.mode == "managed" else (config.tokenize.tokenizer or server.model)
+    folder = resolve_model(spec)
+    return chat_template_text(folder), _named(spec, folder)
+
+
+def request_extras_for(config) -> dict:
+    """request_extras for this config's mode and the served template (no model read for keep)."""
+    mode = config.generation.reasoning
+    return {} if mode == "keep" else request_extras(mode, *served_template(config))
+
+
 def check_config(config) -> None:
     """check_mode for every chat template this config renders (resolves each model to its folder;
     nothing to read for keep)."""
@@ -172,4 +194,4 @@ def check_config(config) -> None:
 
     for spec in template_sources(config):
         folder = resolve_model(spec)
-        check_mode(mode, chat_template_text(folder), spec if folder == spec else f"{spec} ({folder})")
+        check_mode(mode, chat_template_text(folder), _named(spec, folder))

@@ -24,6 +24,7 @@ from eagle3.reasoning import (  # noqa: E402
     check_mode,
     renders_reasoning,
     request_extras,
+    request_extras_for,
     strip_reasoning,
 )
 from eagle3.tokenize.build import answer_only, render_ids  # noqa: E402
@@ -186,6 +187,17 @@ def test_the_cli_preflight_and_check_config_name_the_model(demo_config):
         _preflight(bad, "tokenize")
     check_config(demo_config('generation.reasoning="disable"'))  # the tiny Qwen3 target has the switch
     check_config(demo_config('server.model="tiny:llama"'))  # keep: always fine
+
+
+def test_request_extras_for_a_config_read_the_served_template(demo_config):
+    assert request_extras_for(demo_config('generation.reasoning="disable"')) == {
+        "chat_template_kwargs": {"enable_thinking": False}
+    }
+    assert request_extras_for(demo_config('generation.reasoning="drop"')) == {}
+    assert request_extras_for(demo_config('server.model="no/such-model"')) == {}  # keep reads no model
+    external = ('server.mode="external"', 'server.urls=["http://127.0.0.1:9/v1"]', 'server.model="tiny:llama"')
+    with pytest.raises(ReasoningModeError, match="disable': the chat template of tiny:llama"):
+        request_extras_for(demo_config(*external, 'generation.reasoning="disable"'))
 
 
 # ----------------------------------------------------------------------------- the stage
