@@ -111,6 +111,9 @@ def _preflight(config, command: str = "run") -> None:
         # A hub id absent from the cache fails here in one line (or is downloaded once, online).
         for spec in dict.fromkeys(s for s in (config.server.model, config.tokenize.tokenizer) if s):
             resolve_model(spec)
+        from eagle3.reasoning import check_config
+
+        check_config(config)  # generation.reasoning against the chat templates this run renders
 
 
 def _reads_model_files(config, command: str) -> bool:

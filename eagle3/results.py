@@ -112,6 +112,7 @@ class GenerateStageResult(StageResult):
     server_restart_events: tuple[Mapping[str, Any], ...] | None = None
     samples_per_prompt: int = 1  # counts are of samples: prompts x samples_per_prompt
     turns: str = "last_turn"  # data.turns; "regenerate": a sample is a whole conversation
+    reasoning: str = "keep"  # generation.reasoning: keep | drop | disable
     variants: Mapping[str, int] = field(default_factory=dict)  # samples per sampling variant
     shortened: Mapping[str, int] | None = None  # regenerate: conversations kept shorter, by reason
 

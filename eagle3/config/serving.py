@@ -285,6 +285,18 @@ class GenerationConfig(_Strict):
             "distributions, which a truncated sample shows as well as a finished one."
         ),
     )
+    reasoning: Literal["keep", "drop", "disable"] = Field(
+        "keep",
+        description=(
+            "What a thinking target's training text holds. keep: reasoning and answer, as the target wrote them. "
+            "drop: the answer only, built from the chat template's rendering of the turn without its reasoning "
+            "(an empty think block where the template writes one). disable: ask the target not to think "
+            "(chat_template_kwargs enable_thinking=false). A mode the target's chat template cannot express "
+            "(drop: it never renders reasoning; disable: it has no enable_thinking switch) is a config error. "
+            "Default keep: a deployment that serves a thinking model spends most of its tokens reasoning, so the "
+            "drafter must learn the reasoning; keep also works with every template and asks nothing extra."
+        ),
+    )
     max_failure_fraction: float = Field(
         0.01,
         ge=0.0,

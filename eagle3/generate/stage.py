@@ -132,6 +132,7 @@ def record(config: PipelineConfig, summary: dict, model: str, server: dict | Non
         versions=versions("openai", "httpx"),
         samples_per_prompt=gen.samples_per_prompt,
         turns=config.data.turns,
+        reasoning=gen.reasoning,
         variants=summary.get("variants", {}),
         **({"shortened": summary["shortened"]} if "shortened" in summary else {}),
         **(server or {}),
@@ -155,7 +156,9 @@ def expected_target(config: PipelineConfig) -> tuple[str, str]:
 def request_plan(config: PipelineConfig) -> dict:
     """The keyword arguments of generate_shard / is_complete / generation_key that come from outside
     [generation]: the regenerate mode (data.turns) and the request fields the reasoning mode adds."""
-    return {"regenerate": config.data.turns == "regenerate", "extras": None}
+    from eagle3.reasoning import request_extras_for
+
+    return {"regenerate": config.data.turns == "regenerate", "extras": request_extras_for(config) or None}
 
 
 def summary_line(entry: dict, run_dir: str | Path) -> str:

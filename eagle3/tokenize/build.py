@@ -21,7 +21,9 @@ byte lengths, which lets the encode skip character-offset tracking (offset_free.
 Where reasoning goes: templates like Qwen3's render an assistant turn's reasoning only for
 turns after the last user message; earlier turns lose it. So in a multi-turn conversation
 only the final answer's reasoning is supervised, which matches what the target sees at
-serving time (vLLM renders the same template).
+serving time (vLLM renders the same template). ``generation.reasoning`` changes that
+(eagle3/reasoning.py): drop builds the row from the answer alone (``answer_only``), disable
+renders the template with ``enable_thinking=False``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from eagle3.errors import InputError
+from eagle3.reasoning import strip_reasoning
 from eagle3.tokenize import offset_free, renderers
 
 FAST_RENDER = True  # False: every row through jinja (benchmarks/bench_tokenize.py measures both)
@@ -80,13 +83,21 @@ def has_ids(record: dict) -> bool:
     return record.get("prompt_token_ids") is not None and record.get("completion_token_ids") is not None
 
 
-def conversation(messages: list[dict], record: dict) -> list[dict]:
-    """The prompt plus the regenerated answer as an assistant turn (reasoning kept apart)."""
+def conversation(messages: list[dict], record: dict, mode: str = "keep") -> list[dict]:
+    """The prompt plus the regenerated answer as an assistant turn (reasoning kept apart; with
+    ``mode`` "drop", left out)."""
     content, reasoning = record.get("content"), record.get("reasoning")
     if not isinstance(content, (str, type(None))) or not isinstance(reasoning, (str, type(None))):
         raise RowError("bad_record", "content and reasoning must be strings or null")
     if not content and not reasoning:
         raise RowError("empty_completion", "the record has neither content nor reasoning")
+    if mode == "drop":
+        answer = strip_reasoning(content or "")
+        if not answer.strip():
+            raise RowError(
+                "reasoning_only", "generation.reasoning = 'drop' and the record has no answer, only reasoning"
+            )
+        return [*messages, {"role": "assistant", "content": answer}]
     turn = {"role": "assistant", "content": content or ""}
     if reasoning:
         turn["reasoning_content"] = reasoning
@@ -99,6 +110,36 @@ def _ids(encoded) -> list[int]:
 
 def render_ids(tokenizer, messages, **kwargs) -> list[int]:
     return _ids(tokenizer.apply_chat_template(messages, tokenize=True, **kwargs))
+
+
+def answer_only(tokenizer, messages: list[dict], record: dict, vocab_size: int) -> Sample:
+    """generation.reasoning = drop: the prompt (the record's ``prompt_token_ids``, else rendered),
+    then the template's rendering of the final turn without its reasoning, from the end of the
+    generation prompt to the end of the turn's generation span (the text's end without markers),
+    tokenized apart from the prompt and supervised whole. eagle3/reasoning.py says why."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    template = tokenizer.chat_template or ""
+    whole = conversation(messages, record, "drop")
+    specials, markers = tokenizer.special_tokens_map, bool(GENERATION_TAG.search(template))
+    try:
+        (prompt,), _ = render_jinja_template([messages], chat_template=template, add_generation_prompt=True, **specials)
+        (text,), (spans,) = render_jinja_template(
+            [whole], chat_template=template, return_assistant_tokens_mask=markers, **specials
+        )
+    except Exception as exc:  # jinja raise_exception, unknown roles ...: the row, not the run
+        raise RowError("template_error", f"{type(exc).__name__}: {exc}") from exc
+    end = spans[-1][1] if markers and spans else len(text)
+    if not text.startswith(prompt) or end <= len(prompt):
+        raise RowError(
+            "template_not_prefix_stable", "the answer without its reasoning does not render after the generation prompt"
+        )
+    prompt_ids = record.get("prompt_token_ids")
+    if prompt_ids is None:
+        prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    prompt_ids = _int_list(prompt_ids, "prompt_token_ids", vocab_size)
+    completion = tokenizer.encode(text[len(prompt) : end], add_special_tokens=False)
+    return Sample.of(prompt_ids + completion, [0] * len(prompt_ids) + [1] * len(completion), "answer_only")
 
 
 def from_template(tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> Sample:
@@ -135,7 +176,7 @@ def _encoding_mask(encoding, spans) -> np.ndarray:
     return mask
 
 
-def from_template_batch(tokenizer, conversations: list[list[dict]], executor=None):
+def from_template_batch(tokenizer, conversations: list[list[dict]], executor=None, template_kwargs: dict | None = None):
     """Many conversations at once: one render pass and one batched (parallel, Rust) encode.
 
     The masks come from the template's generation spans mapped onto token offsets with numpy
@@ -145,10 +186,14 @@ def from_template_batch(tokenizer, conversations: list[list[dict]], executor=Non
 
     With an ``executor`` the encode runs there and a function that returns the samples comes
     back at once: the tokenizer's Rust encode releases the GIL, so the caller can render the
-    next batch meanwhile (measured: the encode alone keeps only ~1.2 of 2 cores busy)."""
-    rendered = _render_generation(tokenizer, conversations) if conversations else None
+    next batch meanwhile (measured: the encode alone keeps only ~1.2 of 2 cores busy).
+
+    ``template_kwargs`` are extra template variables (generation.reasoning = disable:
+    ``enable_thinking=False``); with any, every row renders through jinja."""
+    kwargs = template_kwargs or {}
+    rendered = _render_generation(tokenizer, conversations, kwargs) if conversations else None
     if rendered is None:
-        samples = [_safe_template(tokenizer, c) for c in conversations]
+        samples = [_safe_template(tokenizer, c, kwargs) for c in conversations]
         return (lambda: samples) if executor is not None else samples
     texts, spans = rendered
     # The Rust tokenizer directly: transformers' per-row conversion of ids, offsets and
@@ -199,18 +244,19 @@ def _assemble(backend, table, texts, spans, quick, slow, fast_encodings, offset_
     return out
 
 
-def _render_generation(tokenizer, conversations: list[list[dict]]):
+def _render_generation(tokenizer, conversations: list[list[dict]], kwargs: dict):
     """(texts, generation spans) for templates with generation markers; None when the
     template has none or some row does not render (found row by row by the caller).
 
     The project's own templates render in plain Python (eagle3/tokenize/renderers.py), with a
     sample of rows rendered through jinja too and compared (a difference stops the run); other
-    templates, and conversations outside the renderer's plain shape, render through jinja."""
+    templates, conversations outside the renderer's plain shape, and renders with extra template
+    variables (the renderers know only the defaults), go through jinja."""
     template = tokenizer.chat_template or ""
     if not GENERATION_TAG.search(template):
         return None
     specials = tokenizer.special_tokens_map
-    fast = renderers.renderer_for(template) if FAST_RENDER else None
+    fast = renderers.renderer_for(template) if FAST_RENDER and not kwargs else None
     out = [fast(c, specials) for c in conversations] if fast is not None else [None] * len(conversations)
     checked = [k for k in renderers.check_rows(len(conversations)) if out[k] is not None]
     todo = [k for k, r in enumerate(out) if r is None] + checked
@@ -219,7 +265,11 @@ def _render_generation(tokenizer, conversations: list[list[dict]]):
 
         try:
             texts, spans = render_jinja_template(
-                [conversations[k] for k in todo], chat_template=template, return_assistant_tokens_mask=True, **specials
+                [conversations[k] for k in todo],
+                chat_template=template,
+                return_assistant_tokens_mask=True,
+                **specials,
+                **kwargs,
             )
         except Exception:  # a template error on one row: found row by row
             return None
@@ -231,9 +281,9 @@ def _render_generation(tokenizer, conversations: list[list[dict]]):
     return [t for t, _ in out], [s for _, s in out]
 
 
-def _safe_template(tokenizer, conv: list[dict]) -> Sample | RowError:
+def _safe_template(tokenizer, conv: list[dict], kwargs: dict) -> Sample | RowError:
     try:
-        return from_template(tokenizer, conv)
+        return from_template(tokenizer, conv, kwargs)
     except RowError as err:
         return err
     except Exception as exc:  # jinja raise_exception, unknown roles ...: the row, not the run

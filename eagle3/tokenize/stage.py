@@ -40,18 +40,18 @@ from eagle3.errors import InputError, MissingInputError, run_first
 from eagle3.generate.records import read_records
 from eagle3.layout import RunLayout
 from eagle3.markers import Marker, read_marker, remove_marker, write_marker
+from eagle3.reasoning import key_parts, template_kwargs
 from eagle3.schemas import PROMPT_COLUMNS, check_schema, tokenizer_hash
 from eagle3.tokenize.build import (
     RowError,
     Sample,
+    answer_only,
     conversation,
     fit_length,
-    from_regenerated,
-    from_server_ids,
     from_template_batch,
     has_ids,
-    render_ids,
 )
+from eagle3.tokenize.rows import messages_of, server_sample
 
 SCHEMA = pa.schema(
     [
@@ -181,6 +181,7 @@ def _check_generation_settings(config: PipelineConfig, p: dict, shard: str) -> N
 
 def _key(p: dict, config: PipelineConfig, tok_fp: str) -> str:
     parts = [sha256_file(p["generations"]), sha256_file(p["prompts"]), tok_fp, section_hash(config.tokenize)]
+    parts += key_parts(config.generation.reasoning)  # drop / disable change what is supervised
     return hashlib.sha256(":".join(parts).encode()).hexdigest()[:16]
 
 
@@ -203,44 +204,6 @@ class _Acc:
     def reject(self, record_id, kind: str, reason: str) -> None:
         self.reasons[kind] = self.reasons.get(kind, 0) + 1
         self.rejected.append({"id": record_id, "kind": kind, "reason": reason})
-
-
-def _check_template(tokenizer, messages, record, sample: Sample, checks: dict) -> None:
-    """Does the chat template reproduce the server's ids for this conversation?"""
-    checks["checked"] += 1
-    prompt = record["prompt_token_ids"]
-    if render_ids(tokenizer, messages, add_generation_prompt=True) != prompt:
-        checks["prompt_mismatch"] += 1
-    full = render_ids(tokenizer, conversation(messages, record))
-    if full[: len(sample.input_ids)] != sample.input_ids.tolist():
-        checks["full_mismatch"] += 1
-
-
-def _messages_of(record: dict, messages: dict) -> list[dict]:
-    """The prompt a record answers: its own context (a regenerated conversation carries the
-    target's earlier answers), else its prompt's messages (by prompt_id for samples k > 0)."""
-    rid = record.get("id")
-    pid = record.get("prompt_id", rid)
-    if not isinstance(rid, str) or not isinstance(pid, str) or pid not in messages:
-        raise RowError("unknown_id", f"id {rid!r} (prompt {pid!r}) is not in the prompt shard")
-    own = record.get("messages")
-    if own is None:
-        return messages[pid]
-    if not isinstance(own, list) or not all(isinstance(m, dict) and "role" in m for m in own):
-        raise RowError("bad_record", "messages is not a list of {role, content} objects")
-    return own
-
-
-def _server_sample(record: dict, context: list[dict], tokenizer, vocab: int, acc: _Acc, check: bool) -> Sample:
-    if record.get("regenerated_turns", 1) > 1:  # the target's own earlier answers: supervised too
-        sample, history = from_regenerated(record, context, tokenizer, vocab)
-        name = "history_supervised" if history else "history_unsupervised"
-        acc.checks[name] = acc.checks.get(name, 0) + 1
-    else:
-        sample = from_server_ids(record, vocab)
-    if check:
-        _check_template(tokenizer, context, record, sample, acc.checks)
-    return sample
 
 
 def _keep(rid: str, sample: Sample, config: PipelineConfig, acc: _Acc) -> None:
@@ -266,24 +229,27 @@ def _chunk(
     acc: _Acc,
     every: int,
     executor,
+    kwargs: dict,
 ):
-    """Start one chunk: server-id rows one by one, template rows rendered together and their
-    encode handed to ``executor``. Returns the function that finishes the chunk (in record order,
-    rows refused while reading included)."""
+    """Start one chunk: server-id and drop rows one by one, template rows rendered together (with
+    ``kwargs``, the reasoning mode's template variables) and their encode handed to ``executor``.
+    Returns the function that finishes the chunk (in record order, rows refused while reading included)."""
     samples: dict[int, Sample | RowError] = {}
     pending: list[tuple[int, list[dict]]] = []
     for k, record, refused in records:
         if refused is not None:
             continue
         try:
-            context = _messages_of(record, messages)
-            if has_ids(record):
-                samples[k] = _server_sample(record, context, tokenizer, vocab, acc, k % every == 0)
+            context = messages_of(record, messages)
+            if config.generation.reasoning == "drop":  # the last answer only, its reasoning removed
+                samples[k] = answer_only(tokenizer, context, record, vocab)
+            elif has_ids(record):
+                samples[k] = server_sample(record, context, tokenizer, vocab, acc.checks, k % every == 0, kwargs)
             else:
                 pending.append((k, conversation(context, record)))
         except RowError as err:
             samples[k] = err
-    encoded = from_template_batch(tokenizer, [c for _, c in pending], executor)
+    encoded = from_template_batch(tokenizer, [c for _, c in pending], executor, kwargs)
 
     def finish() -> None:
         for (k, _), sample in zip(pending, encoded()):
@@ -398,6 +364,7 @@ def tokenize_shard(config: PipelineConfig, shard: str, tokenizer, tok_path: str,
         problem = f"not found: shard {shard} has not finished generating"
         raise MissingInputError("tokenize", p["gen_done"], run_first("eagle3 generate"), problem)
     _check_generation_settings(config, p, shard)
+    kwargs = template_kwargs(config.generation.reasoning, tokenizer.chat_template or "", tok_path)  # or a config error
     key = _key(p, config, tokenizer_fingerprint(tok_path))
     done = read_done(p["done"])
     if done is not None and done.key == key and p["parquet"].exists():
@@ -417,7 +384,7 @@ def tokenize_shard(config: PipelineConfig, shard: str, tokenizer, tok_path: str,
         ) as executor:  # chunks k, k+1 encode while k+2 renders
             for k, record in enumerate(records + [None]):
                 if record is None or len(chunk) == CHUNK or chars >= CHUNK_CHARS:
-                    unfinished.append(_chunk(chunk, messages, tokenizer, vocab, config, acc, every, executor))
+                    unfinished.append(_chunk(chunk, messages, tokenizer, vocab, config, acc, every, executor, kwargs))
                     chunk, chars = [], 0
                     while len(unfinished) > (IN_FLIGHT if record is not None else 0):
                         unfinished.popleft()()
