@@ -91,6 +91,28 @@ def test_prefect_form_shows_the_real_defaults():
     assert train["learning_rate"]["default"] == 1e-4 and train["ttt_steps"]["default"] == 7
 
 
+def test_prefect_form_offers_the_training_data_knobs_with_descriptions():
+    """Issue 16's knobs reach the form a user fills in the Prefect UI, each with its explanation."""
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.pipeline import pipeline_flow
+
+    definitions = parameter_schema(pipeline_flow.fn).model_dump()["definitions"]
+    gen, data = definitions["GenerationConfig"]["properties"], definitions["DataConfig"]["properties"]
+    for key in (
+        "samples_per_prompt",
+        "temperatures",
+        "top_ps",
+        "chat_template_kwargs",
+        "reasoning_efforts",
+        "partial_conversations",
+        "reasoning",
+    ):
+        assert len(gen[key].get("description", "")) > 40, key
+    assert set(gen["reasoning"]["enum"]) == {"keep", "drop", "disable"}
+    assert "regenerate" in data["turns"]["enum"] and "regenerate" in data["turns"]["description"]
+
+
 def test_every_knob_is_documented():
     undocumented = []
     for section_name, section in PipelineConfig.model_fields.items():
