@@ -6,9 +6,10 @@ import hashlib
 import json
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from eagle3.config.base import _Strict
+from eagle3.prepare.presets import PRESETS  # pure Python: the names, hub ids and column mappings
 
 DEFAULT_SOURCE = "mlabonne/open-perfectblend"
 DEFAULT_SPLIT = "train"
@@ -16,13 +17,8 @@ DEFAULT_SPLIT = "train"
 # hashes as before (``DataConfig.config_hash``), so its prepare marker stays current and nothing is rebuilt.
 LATER_KEYS = {"subset": None, "preset": None, "preset_source": None, "streaming": False, "mix": []}
 
-
-def _known_preset(name: str | None) -> str | None:
-    from eagle3.prepare import presets  # pure Python, no heavy imports
-
-    if name is not None and name not in presets.PRESETS:
-        raise ValueError(f"unknown preset {name!r}; known presets: {presets.known()}")
-    return name
+# A Literal, so the Prefect form offers the names as a choice and a wrong one fails at load listing them all.
+PresetName = Literal[tuple(PRESETS)]
 
 
 class SelfPromptsConfig(_Strict):
@@ -146,7 +142,7 @@ class MixSource(_Strict):
             "copy, or another hub id with the same schema). Default: unset, the preset's own hub id."
         ),
     )
-    preset: str | None = Field(
+    preset: PresetName | None = Field(
         None,
         description=(
             "A dataset preset (see data.preset) giving the hub id, subset, split and column mapping. Default: "
@@ -182,8 +178,6 @@ class MixSource(_Strict):
         None,
         description="Stream this source (see data.streaming). Default: unset, data.streaming decides.",
     )
-
-    _preset_known = field_validator("preset")(classmethod(lambda cls, v: _known_preset(v)))
 
     @model_validator(mode="after")
     def _names_a_source(self):
@@ -226,7 +220,7 @@ class DataConfig(_Strict):
             "unset, the dataset's default config (or the preset's subset)."
         ),
     )
-    preset: str | None = Field(
+    preset: PresetName | None = Field(
         None,
         description=(
             "A named dataset preset: sharegpt, ultrachat, magpie, openperfectblend, openthoughts, opc "
@@ -327,8 +321,6 @@ class DataConfig(_Strict):
             "Settings of the self:prompts source (the target writes its own user turns); ignored by other sources."
         ),
     )
-
-    _preset_known = field_validator("preset")(classmethod(lambda cls, v: _known_preset(v)))
 
     @model_validator(mode="after")
     def _one_way_to_name_sources(self):

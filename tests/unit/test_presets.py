@@ -133,7 +133,12 @@ def test_preset_reads_parquet_like_jsonl(tmp_path):
     for streaming in ("false", "true"):
         run = tmp_path / f"run-{streaming}"
         run_prepare(
-            config(run, 'data.preset="ultrachat"', f'data.preset_source="{tmp_path / "copy"}"', f"data.streaming={streaming}")
+            config(
+                run,
+                'data.preset="ultrachat"',
+                f'data.preset_source="{tmp_path / "copy"}"',
+                f"data.streaming={streaming}",
+            )
         )
         assert kept(run) == EXPECTED["ultrachat"][0]
         assert [r["kind"] for r in rejected(run)] == ["empty", "bad_conversation", "unknown_role"]
@@ -147,14 +152,14 @@ def test_unknown_preset_fails_at_load_naming_the_key():
         load_config(None, ['data.preset="sharegtp"'])
     assert "data.preset" in str(err.value) and "sharegtp" in str(err.value)
     assert all(name in str(err.value) for name in PRESETS)
-    with pytest.raises(ConfigError, match=r"data\.mix\.1\.preset: .*unknown preset 'nope'"):
+    with pytest.raises(ConfigError, match=r"data\.mix\.1\.preset: Input should be 'sharegpt', .* \(got 'nope'\)"):
         load_config(None, ['data.mix=[{preset="ultrachat"}, {preset="nope"}]'])
 
 
 def test_unknown_preset_in_a_config_file_names_the_file(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text('[data]\npreset = "ultra"\n')
-    with pytest.raises(ConfigError, match=r"run\.toml: data\.preset: .*known presets: sharegpt"):
+    with pytest.raises(ConfigError, match=r"run\.toml: data\.preset: Input should be 'sharegpt', .*'opc'"):
         load_config(path)
 
 
