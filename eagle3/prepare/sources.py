@@ -162,8 +162,9 @@ def _hub_dataset(spec: str, split: str, subset: str | None, streaming: bool):
     except Exception as exc:
         what = f"split {split!r}" + (f", subset {subset!r}" if subset is not None else "")
         raise SourceError(
-            f"data.source {spec!r} ({what}): could not load from the Hugging Face hub "
-            f"({type(exc).__name__}: {exc}). Without network access, point data.source at a local file."
+            f"source {spec!r} ({what}): could not load from the Hugging Face hub ({type(exc).__name__}: {exc}). "
+            "Without network access, point data.source (with a preset: data.preset_source; in data.mix: the "
+            "entry's source) at a local file."
         ) from None
 
 

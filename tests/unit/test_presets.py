@@ -494,3 +494,14 @@ def test_streamed_hub_source_in_a_mix_needs_a_limit(tmp_path, hub):
 def test_missing_local_source_in_a_mix_names_it(tmp_path):
     with pytest.raises(SourceError, match="nowhere.jsonl"):
         run_prepare(config(tmp_path / "run", f'data.mix=[{{source="{tmp_path / "nowhere.jsonl"}"}}]'))
+
+
+def test_mixed_rerun_is_skipped_and_a_new_weight_rebuilds(tmp_path):
+    paths = _sources(tmp_path, {"a": 40, "b": 40})
+    run = tmp_path / "run"
+    first = run_prepare(config(run, _mix(paths, {"a": 1, "b": 1}), "data.limit=20"))
+    again = run_prepare(config(run, _mix(paths, {"a": 1, "b": 1}), "data.limit=20"))
+    assert again.skipped and again.fingerprint == first.fingerprint
+    assert [s["ok"] for s in again.counts["sources"]] == [10, 10]
+    changed = run_prepare(config(run, _mix(paths, {"a": 3, "b": 1}), "data.limit=20"))
+    assert not changed.skipped and {k: len(v) for k, v in _by_source(run).items()} == {"a": 15, "b": 5}
