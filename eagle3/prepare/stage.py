@@ -342,6 +342,18 @@ def run_prepare(config: PipelineConfig, logger: logging.Logger | None = None) ->
         counts.filtered,
         dict(tally.reasons),
     )
+    if data.mix:
+        for source in entry["sources"]:
+            short = f", {source['short']} short of its quota" if "short" in source else ""
+            log.info(
+                "prepare: source %s: %d rows -> %d prompts, %d filtered (%s)%s",
+                source["name"],
+                source["source_rows"],
+                source["ok"],
+                source["filtered"],
+                source["reasons"],
+                short,
+            )
     return PrepareResult(str(out), tuple(s["name"] for s in shards), entry, fingerprint, False)
 
 
