@@ -99,6 +99,9 @@ class PrepareStageResult(StageResult):
     source: str = ""
     source_rows: int = 0
     shards: tuple[int, ...] = ()  # rows per prompt shard
+    # per source (one entry unless data.mix): its settings (name, source, preset, split, weight, quota) and
+    # its own in/ok/failed/filtered/reasons, which add up on their own and sum to the stage's counts
+    sources: tuple[Mapping[str, Any], ...] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from eagle3.config.base import _Strict
+from eagle3.prepare.presets import PRESETS  # pure Python: the names, hub ids and column mappings
+
+DEFAULT_SOURCE = "mlabonne/open-perfectblend"
+DEFAULT_SPLIT = "train"
+# Keys added after runs were already on disk, with their defaults. A run that leaves them at these values
+# hashes as before (``DataConfig.config_hash``), so its prepare marker stays current and nothing is rebuilt.
+LATER_KEYS = {"subset": None, "preset": None, "preset_source": None, "streaming": False, "mix": []}
+
+# A Literal, so the Prefect form offers the names as a choice and a wrong one fails at load listing them all.
+PresetName = Literal[tuple(PRESETS)]
 
 
 class SelfPromptsConfig(_Strict):
@@ -119,27 +131,134 @@ class SelfPromptsConfig(_Strict):
     )
 
 
+class MixSource(_Strict):
+    """One source of a mixed run (an entry of data.mix)."""
+
+    source: str | None = Field(
+        None,
+        description=(
+            "Where the rows are: a hub dataset id, a local .jsonl/.json/.parquet file or a folder of them, or "
+            "builtin:demo_prompts (as data.source). With preset set: where that preset's rows are (an offline "
+            "copy, or another hub id with the same schema). Default: unset, the preset's own hub id."
+        ),
+    )
+    preset: PresetName | None = Field(
+        None,
+        description=(
+            "A dataset preset (see data.preset) giving the hub id, subset, split and column mapping. Default: "
+            "unset, the rows must already be ShareGPT (conversations) or OpenAI (messages) rows."
+        ),
+    )
+    name: str | None = Field(
+        None,
+        description=(
+            "Label of this source in the per-source accounting, the prompt shards' source column and "
+            "rejected.jsonl; unique within data.mix. Default: the preset's name, else source."
+        ),
+    )
+    weight: float = Field(
+        1.0,
+        gt=0.0,
+        description=(
+            "Share of the run's source rows this source contributes: weight / sum of weights, of data.limit "
+            "(or, without data.limit, of the largest mix the sources hold in these proportions). Default 1.0: "
+            "equal shares."
+        ),
+    )
+    subset: str | None = Field(
+        None,
+        description="Hub config (subset) name, as data.subset. Default: unset, the preset's subset for its own "
+        "hub id, else the dataset's default config.",
+    )
+    split: str | None = Field(
+        None,
+        description="Hub split, as data.split. Default: unset, the preset's split for its own hub id, else train.",
+    )
+    streaming: bool | None = Field(
+        None,
+        description="Stream this source (see data.streaming). Default: unset, data.streaming decides.",
+    )
+
+    @model_validator(mode="after")
+    def _names_a_source(self):
+        if self.source is None and self.preset is None:
+            raise ValueError("a data.mix entry needs source, preset or both")
+        return self
+
+    @property
+    def label(self) -> str:
+        return self.name or self.preset or str(self.source)
+
+
 class DataConfig(_Strict):
     """Where prompts come from and how they are cut into shards (stage ``prepare``)."""
 
     source: str = Field(
-        "mlabonne/open-perfectblend",
+        DEFAULT_SOURCE,
         description=(
             "Prompt source: a Hugging Face hub dataset id, a local .jsonl/.json/.parquet file, a folder of "
             "such files, builtin:demo_prompts (the ~300 prompts shipped with the project, for trials), or "
             "self:prompts (the target writes its own user turns through the server; see data.self_prompts). "
             "Relative paths are taken from the working directory. Default: open-perfectblend, a public mix "
-            "of chat, math and code prompts in the ShareGPT schema (~1.4M rows; set data.limit)."
+            "of chat, math and code prompts in the ShareGPT schema (~1.4M rows; set data.limit). Not read when "
+            "data.preset or data.mix is set (they name their own sources)."
         ),
     )
-    split: str = Field("train", description="Dataset split to read from a hub dataset (ignored for local files).")
+    split: str = Field(
+        DEFAULT_SPLIT,
+        description=(
+            "Dataset split to read from a hub dataset (ignored for local files). Default train, the split most "
+            "hub datasets name; left at train with data.preset set, the preset's split applies (ultrachat: "
+            "train_sft)."
+        ),
+    )
+    subset: str | None = Field(
+        None,
+        description=(
+            "Hub dataset config (subset) name, passed to datasets.load_dataset as its name (e.g. "
+            "largescale_diverse_instruct of OpenCoder-LLM/opc-sft-stage1); ignored for local files. Default: "
+            "unset, the dataset's default config (or the preset's subset)."
+        ),
+    )
+    preset: PresetName | None = Field(
+        None,
+        description=(
+            "A named dataset preset: sharegpt, ultrachat, magpie, openperfectblend, openthoughts, opc "
+            "(docs/stages.md lists each one's hub id, split, columns and skipped rows). The preset gives the hub id, "
+            "subset, split and the column mapping to a conversation, and replaces data.source; data.split "
+            "(when not train) and data.subset (when set) override its split and subset. Default: unset, "
+            "data.source is read as ShareGPT/OpenAI rows, as before presets existed."
+        ),
+    )
+    preset_source: str | None = Field(
+        None,
+        description=(
+            "Where data.preset's rows are instead of its hub id: a local .jsonl/.json/.parquet file or folder "
+            "(an offline copy; the preset still gives the schema) or another hub id with the same schema, "
+            "whose split and subset are data.split and data.subset. Default: unset, the preset's own hub id."
+        ),
+    )
+    streaming: bool = Field(
+        False,
+        description=(
+            "Read sources as a stream instead of materialising them: a hub dataset through "
+            "datasets.load_dataset(streaming=True) (nothing cached on disk, rows as they arrive), a local "
+            "Parquet file one record batch at a time; JSON Lines are always read line by line, and a .json "
+            "array is one value that is read whole. With data.limit, a local source is counted first and "
+            "sampled exactly as without streaming (same rows); a streamed hub dataset's size is unknown, so "
+            "its rows are sampled by reservoir sampling over one full pass (uniform, seeded by data.seed, "
+            "data.limit rows held in memory; a different sample than the non-streamed one). Default false: a "
+            "hub dataset is downloaded once into the datasets cache, which is the faster path when it fits."
+        ),
+    )
     limit: int | None = Field(
         None,
         ge=1,
         description=(
             "Read at most this many source rows, chosen as a seeded random sample (data.seed) when the "
             "source is larger, so a trial run sees the whole mix rather than the first N rows of one "
-            "category. Default: no limit."
+            "category. With data.mix, the run's total, split between the sources by their weights. Default: no "
+            "limit."
         ),
     )
     num_shards: int = Field(
@@ -185,9 +304,55 @@ class DataConfig(_Strict):
             "schema or file, which should stop the run rather than train on the remainder."
         ),
     )
+    mix: list[MixSource] = Field(
+        default_factory=list,
+        description=(
+            "Several sources mixed with weights: a list of {source and/or preset, weight, name, subset, split, "
+            "streaming}. Source i contributes weight_i / sum(weights) of data.limit source rows (largest "
+            "remainders, so the shares add up to data.limit exactly), each a sample of its own rows seeded by "
+            "data.seed and the entry's name (reordering entries changes no sample); "
+            "without data.limit, the largest total the sources hold in these proportions. A source holding "
+            "fewer rows than its share gives all it has (recorded as short in the per-source counts); the "
+            "others keep their shares. Filtering and de-duplication come after (a prompt seen in an earlier "
+            "source is a duplicate in a later one), so the kept prompts follow the weights up to each "
+            "source's filter rate, which the per-source counts show. Shards gain a source column naming each "
+            "prompt's source. When not empty, it replaces data.source, data.preset, data.subset and data.split. "
+            "Default: empty, the single source of data.source / data.preset."
+        ),
+    )
     self_prompts: SelfPromptsConfig = Field(
         default_factory=SelfPromptsConfig,
         description=(
             "Settings of the self:prompts source (the target writes its own user turns); ignored by other sources."
         ),
     )
+
+    @model_validator(mode="after")
+    def _one_way_to_name_sources(self):
+        self_source = "self:prompts"
+        if self.mix:
+            # data.mix replaces data.source / data.preset (a recipe's source stays in the file, a --set of
+            # data.mix overrides it); only self:prompts is refused, since the flow would serve the target for it.
+            if self.source == self_source:
+                raise ValueError("data.source=self:prompts and data.mix are both set; self:prompts cannot be mixed")
+            labels = [m.label for m in self.mix]
+            twice = sorted({x for x in labels if labels.count(x) > 1})
+            if twice:
+                raise ValueError(f"data.mix names {twice} more than once; give each entry its own name")
+            if any(m.source == self_source for m in self.mix):
+                raise ValueError("data.mix cannot hold self:prompts (the target writes those in a run of their own)")
+        if self.preset is not None and self.source == self_source:
+            raise ValueError("data.source=self:prompts and data.preset are both set; pick one")
+        if self.preset_source is not None and self.preset is None:
+            raise ValueError(f"data.preset_source={self.preset_source!r} needs data.preset (the schema of its rows)")
+        return self
+
+    def config_hash(self) -> str:
+        """This section's hash for the prepare marker: ``section_hash`` of it, without the keys in
+        ``LATER_KEYS`` that are left at their defaults (so configs written before them hash unchanged)."""
+        dump = self.model_dump(mode="json")
+        for key, default in LATER_KEYS.items():
+            if dump[key] == default:
+                del dump[key]
+        text = json.dumps(dump, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]

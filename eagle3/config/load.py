@@ -143,6 +143,8 @@ def _render_fields(model: BaseModel, lines: list[str], docs: bool) -> None:
 
 
 def _toml_value(value: Any) -> str:
+    if isinstance(value, BaseModel):  # an entry of a list of tables (data.mix); unset keys are left out
+        value = value.model_dump(mode="json", exclude_none=True)
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):

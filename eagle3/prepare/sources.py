@@ -10,6 +10,12 @@ Design choices:
   sorted order) and an ``origin`` a person can open (``file.jsonl:17``).
 - A fingerprint (paths, sizes, modification times; for the hub, the dataset's own
   fingerprint) lets a rerun on unchanged input skip the stage without reading it.
+- Streaming (``data.streaming``): a local Parquet file is read one record batch at a time
+  with pyarrow (never whole, never copied into the datasets cache); a hub dataset comes from
+  ``load_dataset(streaming=True)``. A local source's rows are counted before sampling, so
+  ``limit`` picks the same rows streamed or not. A streamed hub dataset has no length; its
+  ``limit`` sample is a seeded reservoir sample over one pass (Algorithm R): uniform, holding
+  ``limit`` rows, then put back in source order.
 """
 
 from __future__ import annotations
@@ -97,6 +103,32 @@ def _json_array(path: Path, name: str) -> Iterator[tuple[str, Any]]:
         yield f"{name}[{k}]", row
 
 
+PARQUET_BATCH = 1024  # rows per record batch when streaming a local Parquet file
+
+
+def _parquet_stream(path: Path, name: str) -> Iterator[tuple[str, Any]]:
+    import pyarrow.parquet as pq
+
+    try:
+        reader = pq.ParquetFile(path)
+    except Exception as exc:
+        raise SourceError(f"{path}: cannot read as Parquet ({type(exc).__name__}: {exc})") from None
+    k = 0
+    for batch in reader.iter_batches(batch_size=PARQUET_BATCH):
+        for row in batch.to_pylist():
+            yield f"{name}#row{k}", row
+            k += 1
+
+
+def _parquet_rows(path: Path) -> int:
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path).metadata.num_rows
+    except Exception as exc:
+        raise SourceError(f"{path}: cannot read as Parquet ({type(exc).__name__}: {exc})") from None
+
+
 def _parquet(path: Path, name: str) -> Iterator[tuple[str, Any]]:
     import datasets
 
@@ -108,41 +140,74 @@ def _parquet(path: Path, name: str) -> Iterator[tuple[str, Any]]:
         yield f"{name}#row{k}", row
 
 
-def _file_rows(path: Path, name: str) -> Iterator[tuple[str, Any]]:
+def _file_rows(path: Path, name: str, streaming: bool) -> Iterator[tuple[str, Any]]:
     if path.name.endswith(".jsonl"):
         return _json_lines(path, name)
     if path.name.endswith(".json"):
         return _json_array(path, name)
-    return _parquet(path, name)
+    return _parquet_stream(path, name) if streaming else _parquet(path, name)
 
 
-def _hub_dataset(spec: str, split: str):
+def _hub_dataset(spec: str, split: str, subset: str | None, streaming: bool):
     import datasets
 
+    # Only the arguments a user set are passed, so a plain hub source is loaded exactly as before.
+    extra: dict[str, Any] = {}
+    if subset is not None:
+        extra["name"] = subset
+    if streaming:
+        extra["streaming"] = True
     try:
-        return datasets.load_dataset(spec, split=split)
+        return datasets.load_dataset(spec, split=split, **extra)
     except Exception as exc:
+        what = f"split {split!r}" + (f", subset {subset!r}" if subset is not None else "")
         raise SourceError(
-            f"data.source {spec!r} (split {split!r}): could not load from the Hugging Face hub "
-            f"({type(exc).__name__}: {exc}). Without network access, point data.source at a local file."
+            f"source {spec!r} ({what}): could not load from the Hugging Face hub ({type(exc).__name__}: {exc}). "
+            "Without network access, point data.source (with a preset: data.preset_source; in data.mix: the "
+            "entry's source) at a local file."
         ) from None
+
+
+def reservoir(items: Iterator[Any], size: int, seed: int) -> list[tuple[int, Any]]:
+    """A uniform seeded sample of ``size`` items from a stream of unknown length, as (position, item)
+    pairs in stream order (Algorithm R: item k replaces a random slot with probability size / (k + 1))."""
+    rng = random.Random(seed)
+    kept: list[tuple[int, Any]] = []
+    for k, item in enumerate(items):
+        if k < size:
+            kept.append((k, item))
+        else:
+            slot = rng.randrange(k + 1)
+            if slot < size:
+                kept[slot] = (k, item)
+    return sorted(kept, key=lambda pair: pair[0])
 
 
 class Source:
     """One prompt source, iterated as ``SourceRow``s with an optional seeded row sample."""
 
-    def __init__(self, spec: str, split: str = "train"):
+    def __init__(self, spec: str, split: str = "train", subset: str | None = None, streaming: bool = False):
         self.spec = spec
         self.split = split
+        self.subset = subset
+        self.streaming = streaming
         self.files = local_files(spec)
-        self._hub = None if self.files is not None else _hub_dataset(spec, split)
+        self._hub = None if self.files is not None else _hub_dataset(spec, split, subset, streaming)
+        self._count: int | None = None
 
     def fingerprint(self) -> str:
         if self.files is None:
             parts: list = [self.spec, self.split, getattr(self._hub, "_fingerprint", None)]
+            if self.subset is not None:
+                parts.append(self.subset)
         else:
             parts = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in self.files]
         return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
+
+    @property
+    def sized(self) -> bool:
+        """Whether the row count is known without reading the rows from the hub (not a streamed hub set)."""
+        return self.files is not None or not self.streaming
 
     def _all(self) -> Iterator[tuple[str, Any]]:
         if self.files is None:
@@ -151,13 +216,31 @@ class Source:
             return
         for path in self.files:
             # Origins name what the user wrote (builtin:..., a relative path), not where it is installed.
-            yield from _file_rows(path, self.spec if self.spec in BUILTIN else str(path))
+            yield from _file_rows(path, self.spec if self.spec in BUILTIN else str(path), self.streaming)
+
+    def _count_rows(self) -> int:
+        if self.files is None:
+            return len(self._hub)
+        if self.streaming:
+            return sum(
+                _parquet_rows(p) if p.name.endswith(".parquet") else sum(1 for _ in _file_rows(p, "", True))
+                for p in self.files
+            )
+        return sum(1 for _ in self._all())
 
     def count(self) -> int:
-        return len(self._hub) if self.files is None else sum(1 for _ in self._all())
+        if not self.sized:
+            raise SourceError(f"data.source {self.spec!r} is a streamed hub dataset: its row count is unknown")
+        if self._count is None:
+            self._count = self._count_rows()
+        return self._count
 
     def rows(self, limit: int | None = None, seed: int = 0) -> Iterator[SourceRow]:
         """Rows in source order; with ``limit``, a seeded sample of that many rows, still in order."""
+        if limit is not None and not self.sized:
+            for index, (origin, value) in reservoir(self._all(), limit, seed):
+                yield SourceRow(index, origin, value)
+            return
         keep = None
         if limit is not None:
             total = self.count()
