@@ -88,12 +88,21 @@ def _data_mix(entries: dict) -> list[str]:
     out = ["", "## Training data", ""]
     if prep:
         out.append(f"- source: `{prep.get('source') or '?'}` ({prep.get('source_rows')} rows read)")
-        per_source = prep.get("sources") or {}
+        per_source = prep.get("sources") or ()
         if per_source:
-            out += ["", "| source | in | ok | filtered | reasons |", "|---|---|---|---|---|"]
-            for name, c in per_source.items():
+            out += [
+                "",
+                "| source | weight | rows read | in | ok | filtered | reasons |",
+                "|---|---|---|---|---|---|---|",
+            ]
+            for c in per_source:
                 reasons = ", ".join(f"{k}={n}" for k, n in sorted((c.get("reasons") or {}).items())) or "-"
-                out.append(f"| {name} | {c.get('in')} | {c.get('ok')} | {c.get('filtered')} | {reasons} |")
+                short = f" ({c['short']} short of its share)" if c.get("short") else ""
+                where = f"{c.get('name')} (`{c.get('source')}`)"
+                out.append(
+                    f"| {where} | {_fmt(c.get('weight'))} | {c.get('source_rows')}{short} | {c.get('in')} "
+                    f"| {c.get('ok')} | {c.get('filtered')} | {reasons} |"
+                )
             out.append("")
     if gen:
         turns = gen.get("turns") or "last_turn"

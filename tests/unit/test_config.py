@@ -111,6 +111,8 @@ def test_prefect_form_offers_the_training_data_knobs_with_descriptions():
         assert len(gen[key].get("description", "")) > 40, key
     assert set(gen["reasoning"]["enum"]) == {"keep", "drop", "disable"}
     assert "regenerate" in data["turns"]["enum"] and "regenerate" in data["turns"]["description"]
+    for key in ("preset", "preset_source", "subset", "streaming", "mix"):
+        assert len(data[key].get("description", "")) > 40, key
 
 
 def test_every_knob_is_documented():
