@@ -121,6 +121,17 @@ def _data_mix(entries: dict) -> list[str]:
             out += ["", "| sampling variant | samples |", "|---|---|"]
             out += [f"| {label or 'default'} | {n} |" for label, n in variants.items()]
     tok = entries.get("tokenize")
+    if tok and tok.get("per_source"):
+        out += [
+            "",
+            "| source | tokenized rows in | kept | filtered | tokens | supervised tokens |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name, c in tok["per_source"].items():
+            out.append(
+                f"| {name} | {c['in']} | {c['ok']} | {c['filtered']} | {c['tokens']} | {c['supervised_tokens']} |"
+            )
+        out.append("")
     check = (tok.get("template_check") or {}) if tok else {}
     if check.get("history_supervised") or check.get("history_unsupervised"):
         out.append(

@@ -128,6 +128,7 @@ class TokenizeStageResult(StageResult):
     supervised_tokens: int = 0
     truncated_rows: int = 0
     template_check: Mapping[str, Any] = field(default_factory=dict)  # chat template vs server ids
+    per_source: Mapping[str, Mapping[str, int]] | None = None  # data.mix runs: rows and tokens per source
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -45,3 +45,35 @@ def server_sample(record: dict, context: list[dict], tokenizer, vocab: int, chec
     if check:
         check_template(tokenizer, context, record, sample, checks, kw)
     return sample
+
+
+class SourceTally:
+    """Per source of a mixed run (the prompt shard's ``source`` column): rows in, kept, filtered,
+    and the tokens kept. Empty when the shard has no such column (a single source)."""
+
+    def __init__(self, source_of: dict[str, str] | None = None):
+        self.source_of = source_of or {}
+        self.counts: dict[str, dict[str, int]] = {}
+
+    def add(self, record_id, kept: bool, tokens: int = 0, supervised: int = 0) -> None:
+        if not self.source_of:
+            return
+        from eagle3.generate.samples import prompt_of
+
+        pid = prompt_of(record_id) if isinstance(record_id, str) else None
+        name = self.source_of.get(pid, "unknown") if pid else "unknown"
+        c = self.counts.setdefault(name, {"in": 0, "ok": 0, "filtered": 0, "tokens": 0, "supervised_tokens": 0})
+        c["in"] += 1
+        c["ok" if kept else "filtered"] += 1
+        c["tokens"] += tokens
+        c["supervised_tokens"] += supervised
+
+    @staticmethod
+    def merge(tallies: list[dict]) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for tally in tallies:
+            for name, c in tally.items():
+                into = out.setdefault(name, dict.fromkeys(c, 0))
+                for k, n in c.items():
+                    into[k] = into.get(k, 0) + n
+        return out

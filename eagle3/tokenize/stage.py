@@ -51,7 +51,7 @@ from eagle3.tokenize.build import (
     from_template_batch,
     has_ids,
 )
-from eagle3.tokenize.rows import messages_of, server_sample
+from eagle3.tokenize.rows import SourceTally, messages_of, server_sample
 
 SCHEMA = pa.schema(
     [
@@ -89,6 +89,7 @@ class TokenizeResult:
     truncated: int
     template_check: dict
     skipped: bool
+    per_source: dict = field(default_factory=dict)  # mixed runs: rows and tokens per source
 
 
 def tokenizer_path(config: PipelineConfig) -> str:
@@ -200,9 +201,11 @@ class _Acc:
     tokens: int = 0
     supervised: int = 0
     checks: dict = field(default_factory=lambda: {"checked": 0, "prompt_mismatch": 0, "full_mismatch": 0})
+    sources: SourceTally = field(default_factory=SourceTally)
 
     def reject(self, record_id, kind: str, reason: str) -> None:
         self.reasons[kind] = self.reasons.get(kind, 0) + 1
+        self.sources.add(record_id, kept=False)
         self.rejected.append({"id": record_id, "kind": kind, "reason": reason})
 
 
@@ -217,6 +220,7 @@ def _keep(rid: str, sample: Sample, config: PipelineConfig, acc: _Acc) -> None:
     acc.supervised += supervised
     acc.kept += 1
     acc.truncated += bool(truncated)
+    acc.sources.add(rid, True, len(sample.input_ids), supervised)
     acc.out.add((rid, sample, supervised, truncated))
 
 
@@ -372,11 +376,14 @@ def tokenize_shard(config: PipelineConfig, shard: str, tokenizer, tok_path: str,
             return TokenizeResult(**{**done["result"], "skipped": True})
     remove_marker(p["done"], config.run_dir)
     check_schema(p["prompts"], PROMPT_COLUMNS, "prompt shard (RUN/prompts)")
-    table = pq.read_table(p["prompts"], columns=["id", "messages"])
+    mixed = "source" in pq.read_schema(p["prompts"]).names  # a data.mix run names each prompt's source
+    table = pq.read_table(p["prompts"], columns=["id", "messages", *(["source"] if mixed else [])])
     messages = dict(zip(table.column("id").to_pylist(), table.column("messages").to_pylist()))
     records = read_records(p["generations"], log)
     vocab, seen, chunk, chars, unfinished = target_vocab_size(config, tokenizer, tok_path), set(), [], 0, deque()
     acc = _Acc(out=_Output(p["parquet"], vocab))
+    if mixed:
+        acc.sources = SourceTally(dict(zip(table.column("id").to_pylist(), table.column("source").to_pylist())))
     every = max(1, len(records) // TEMPLATE_CHECKS)
     try:
         with ThreadPoolExecutor(
@@ -413,6 +420,7 @@ def tokenize_shard(config: PipelineConfig, shard: str, tokenizer, tok_path: str,
         acc.truncated,
         acc.checks,
         False,
+        acc.sources.counts,
     )
     assert result.in_ == result.ok + result.filtered, result
     write_marker(
@@ -469,6 +477,7 @@ def record(config: PipelineConfig, results: list[TokenizeResult], tok_path: str)
         supervised_tokens=sum(r.supervised for r in results),
         truncated_rows=sum(r.truncated for r in results),
         template_check={**checks, "mismatch_rate": rate},
+        **({"per_source": per_source} if (per_source := SourceTally.merge([r.per_source for r in results])) else {}),
         versions=versions("transformers", "tokenizers", "pyarrow"),
     )
 

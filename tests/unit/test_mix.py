@@ -172,3 +172,34 @@ def test_mixed_rerun_is_skipped_and_a_new_weight_rebuilds(tmp_path):
     assert [s["ok"] for s in again.counts["sources"]] == [10, 10]
     changed = run_prepare(config(run, _mix(paths, {"a": 3, "b": 1}), "data.limit=20"))
     assert not changed.skipped and {k: len(v) for k, v in _by_source(run).items()} == {"a": 15, "b": 5}
+
+
+def test_tokenize_counts_rows_and_tokens_per_source_of_a_mix(tmp_path):
+    """A mixed run's tokenized rows and tokens are counted per source (the report's per-source table)."""
+    from eagle3.generate.records import JsonlAppender
+    from eagle3.tokenize.stage import load_tokenizer, record, tokenize_shard, tokenizer_path
+    from test_tokenize import server_record
+
+    paths = _sources(tmp_path, {"chat": 6, "math": 3})
+    run = tmp_path / "run"
+    cfg = config(run, _mix(paths, {"chat": 2, "math": 1}), "data.num_shards=1")
+    run_prepare(cfg)
+    rows = pq.read_table(run / "prompts" / "shard-00000.parquet").to_pylist()
+    tok = load_tokenizer(tokenizer_path(cfg))
+    gen = run / "generations"
+    gen.mkdir()
+    with JsonlAppender(gen / "shard-00000.jsonl") as out:
+        for k, row in enumerate(rows):
+            rec = server_record(k, row, tok)
+            if row["source"] == "math" and k == max(i for i, r in enumerate(rows) if r["source"] == "math"):
+                rec["completion_token_ids"] = []  # one math row filtered as empty_completion
+            out.append(rec)
+    (gen / "shard-00000.done.json").write_text("{}")
+    result = tokenize_shard(cfg, "shard-00000.parquet", tok, tokenizer_path(cfg))
+    per = result.per_source
+    assert (per["chat"]["in"], per["chat"]["ok"], per["chat"]["filtered"]) == (6, 6, 0)
+    assert (per["math"]["in"], per["math"]["ok"], per["math"]["filtered"]) == (3, 2, 1)
+    assert per["chat"]["tokens"] + per["math"]["tokens"] == result.tokens
+    assert per["chat"]["supervised_tokens"] + per["math"]["supervised_tokens"] == result.supervised
+    entry = record(cfg, [result], tokenizer_path(cfg))
+    assert entry["per_source"] == per
