@@ -35,7 +35,7 @@ COMMON = [
     'evaluate.methods=["none", "ngram", "trained"]',
     "evaluate.temperatures=[0.0, 0.7]",
     "evaluate.concurrencies=[1]",
-    "evaluate.rounds=2",
+    "evaluate.rounds=1",  # acceptance, not speed, is compared: one visit per cell
 ]
 VARIANTS = {
     "single": ['run_dir="runs/bench-data-single"', 'data.turns="last_turn"', "generation.samples_per_prompt=1"],
