@@ -189,6 +189,20 @@ def test_the_cli_preflight_and_check_config_name_the_model(demo_config):
     check_config(demo_config('server.model="tiny:llama"'))  # keep: always fine
 
 
+def test_a_pipeline_run_from_the_ui_fails_on_the_mode_before_any_stage(demo_config, monkeypatch):
+    """The Prefect form path (no CLI preflight): the parent flow checks the mode first."""
+    import asyncio
+
+    import flows.pipeline as pipeline
+
+    ran = []
+    monkeypatch.setattr(pipeline, "run_stages", lambda *a: ran.append(a))
+    bad = demo_config('server.model="tiny:llama"', 'generation.reasoning="disable"')
+    with pytest.raises(ReasoningModeError, match="generation.reasoning = 'disable'"):
+        asyncio.run(pipeline.pipeline_flow.fn(bad))
+    assert ran == []
+
+
 def test_request_extras_for_a_config_read_the_served_template(demo_config):
     assert request_extras_for(demo_config('generation.reasoning="disable"')) == {
         "chat_template_kwargs": {"enable_thinking": False}
