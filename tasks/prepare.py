@@ -10,6 +10,7 @@ from prefect.cache_policies import NO_CACHE
 
 from eagle3.config import PipelineConfig
 from eagle3.generate.client import EndpointPool, deadline_s
+from eagle3.manifest import read_manifest
 from eagle3.prepare.self_prompts import Plan, collect, make_plan
 from eagle3.prepare.stage import PrepareResult, run_prepare
 from eagle3.serving.target import Target, outage_wait_s, replica_events
@@ -23,6 +24,10 @@ def prepare_task(config: PipelineConfig) -> PrepareResult:
     counts = result.counts
     rows = [{"measure": k, "value": counts[k]} for k in ("in", "ok", "failed", "filtered")]
     rows += [{"measure": f"filtered: {kind}", "value": n} for kind, n in counts["reasons"].items()]
+    entry = read_manifest(config.run_dir)["stages"].get("prepare") or {}
+    for source in entry.get("sources") or () if config.data.mix else ():  # a mix: each source's own accounting
+        value = f"in {source['in']}, ok {source['ok']}, filtered {source['filtered']} {source['reasons'] or ''}"
+        rows.append({"measure": f"source {source['name']}", "value": value})
     create_table_artifact(
         key="prepare-accounting",
         table=rows,
