@@ -357,8 +357,44 @@ class Trainer:
                 "seed": self.tc.seed,
                 "layer_ids": self.layer_ids,
                 "target": self.model_path,
+                "strategy": self.tc.strategy,
+                "world_size": self.dist.world,
             },
         )
+
+    def _load_state(self, path: Path, state: dict, weights: dict, opt_state: dict) -> None:
+        """Load a checkpoint's full (unsharded) state into this run's model and optimizer.
+
+        Checkpoints always hold the full state, so one written by N processes loads on any M (each
+        FSDP rank takes its own shard of it). Under FSDP the model's parameters are DTensors, so the
+        state goes through the state-dict API (set_model_state_dict / set_optimizer_state_dict with
+        full_state_dict), never a plain load_state_dict, which fails on them ("mixed torch.Tensor and
+        DTensor"). The optimizer state's format follows the strategy that wrote it: FSDP's is keyed
+        by parameter name, one process's and DDP's by position; a checkpoint of the other kind is
+        refused with both strategies named."""
+        fsdp = self.tc.strategy == "fsdp" and self.dist.world > 1
+        wanted, found = ("fqn" if fsdp else "index"), _optimizer_format(opt_state)
+        if wanted != found:
+            written = state.get("strategy") or ("fsdp" if found == "fqn" else "ddp or one process")
+            now = f"{self.tc.strategy} on {self.dist.world} process(es)"
+            raise ValueError(
+                f"{path}: written by {written} on {state.get('world_size', '?')} process(es), this run is {now}; "
+                "its optimizer state cannot be carried across (rerun with the strategy that wrote it, or delete "
+                "the checkpoints folder to start over)"
+            )
+        if not fsdp:
+            self.model.load_state_dict(weights, strict=False)
+            self.optimizer.load_state_dict(opt_state)
+            return
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        opts = StateDictOptions(full_state_dict=True, strict=False)
+        set_model_state_dict(self.model, weights, options=opts)
+        set_optimizer_state_dict(self.model, self.optimizer, opt_state, options=opts)
 
     def _resume(self) -> None:
         latest = self.layout.latest_checkpoint
@@ -374,13 +410,19 @@ class Trainer:
         missing = set(self.model.state_dict()) - set(weights) - {"embed_tokens.weight"}
         if missing:
             raise ValueError(f"{path}/model.safetensors lacks {sorted(missing)}: not a checkpoint of this drafter")
-        self.model.load_state_dict(weights, strict=False)
-        self.optimizer.load_state_dict(_load_tensors_only(path / "optimizer.pt", self.dist.device))
+        self._load_state(path, state, weights, _load_tensors_only(path / "optimizer.pt", self.dist.device))
         self.step, self.best = int(state["step"]), state.get("best")
         if self.dist.rank == 0:
             _truncate_jsonl(self.layout.train_log, self.step)
             _truncate_jsonl(self.layout.train_eval, self.step)
             self.log(f"resumed from {path} (step {self.step} of {self.total_steps})")
+
+
+def _optimizer_format(opt_state: dict) -> str:
+    """ "fqn" for the state-dict API's full optimizer state (keyed by parameter names, what FSDP saves),
+    "index" for torch.optim's own (keyed by position, what one process and DDP save)."""
+    keys = [k for group in opt_state.get("param_groups", []) for k in group.get("params", [])]
+    return "fqn" if keys and all(isinstance(k, str) for k in keys) else "index"
 
 
 def _load_tensors_only(path: Path, device) -> dict:
