@@ -84,7 +84,7 @@ async def generate_shard_task(config: PipelineConfig, shard: str, target: Target
     await aupdate_progress_artifact(artifact, 100.0)
     if not result.complete and task_run.run_count <= gen.shard_retries:
         raise ShardIncomplete(
-            f"{result.shard}: {result.retryable} prompts failed with transient errors ({result.errors}); "
+            f"{result.shard}: {result.retryable} samples failed with transient errors ({result.errors}); "
             "retrying resumes them"
         )
     return result

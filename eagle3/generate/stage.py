@@ -21,7 +21,7 @@ from eagle3.markers import read_marker
 
 
 class GenerationFailed(TransientError, RuntimeError):
-    """More prompts failed than generation.max_failure_fraction allows."""
+    """More samples failed than generation.max_failure_fraction allows."""
 
 
 def out_dir(config: PipelineConfig) -> Path:

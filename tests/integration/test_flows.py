@@ -289,7 +289,7 @@ def test_too_many_failures_fail_the_flow_loudly(prefect_server, demo_config, tmp
         config = external(demo_config, tmp_path, fake.base_url)
         state = asyncio.run(generate_flow(config, return_state=True))
     assert state.is_failed()
-    with pytest.raises(GenerationFailed, match=r"generate: 19 of 20 prompts failed .*http_400"):
+    with pytest.raises(GenerationFailed, match=r"generate: 19 of 20 samples failed .*http_400"):
         state.result()
     manifest = json.loads((Path(config.run_dir) / "manifest.json").read_text())["stages"]["generate"]
     assert (manifest["status"], manifest["ok"], manifest["failed"]) == ("failed", 1, 19)
