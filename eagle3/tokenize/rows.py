@@ -4,6 +4,7 @@ server's ids. The batched template path and the stage around it are in build.py 
 
 from __future__ import annotations
 
+from eagle3.generate.samples import prompt_of
 from eagle3.tokenize.build import RowError, Sample, conversation, from_regenerated, from_server_ids, render_ids
 
 
@@ -58,8 +59,6 @@ class SourceTally:
     def add(self, record_id, kept: bool, tokens: int = 0, supervised: int = 0) -> None:
         if not self.source_of:
             return
-        from eagle3.generate.samples import prompt_of
-
         pid = prompt_of(record_id) if isinstance(record_id, str) else None
         name = self.source_of.get(pid, "unknown") if pid else "unknown"
         c = self.counts.setdefault(name, {"in": 0, "ok": 0, "filtered": 0, "tokens": 0, "supervised_tokens": 0})

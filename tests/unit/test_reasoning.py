@@ -29,6 +29,7 @@ from eagle3.reasoning import (  # noqa: E402
 )
 from eagle3.tokenize.build import answer_only, render_ids  # noqa: E402
 from eagle3.tokenize.stage import load_tokenizer, tokenize_shard, tokenizer_path  # noqa: E402
+from test_tokenize import segments  # noqa: E402
 from tokenize_cases import tokenizer_for  # noqa: E402
 
 GOLDEN = ROOT / "tests" / "golden" / "reasoning.json"
@@ -48,17 +49,6 @@ SUPERVISED = {
     "tiny-llama/keep/single": ["4<|eot_id|>"],
     "tiny-llama/keep/multi": ["7<|eot_id|>", "2<|eot_id|>"],
 }
-
-
-def segments(tok, ids, mask):
-    out, cur = [], []
-    for i, m in zip(ids, mask):
-        if m:
-            cur.append(i)
-        elif cur:
-            out.append(tok.decode(cur))
-            cur = []
-    return out + ([tok.decode(cur)] if cur else [])
 
 
 # ----------------------------------------------------------------------------- goldens
