@@ -9,6 +9,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
+from eagle3.cluster import enter_workdir
 from eagle3.config import PipelineConfig
 from tasks.retry import unless_permanent
 
@@ -36,6 +37,7 @@ def plan_task(config: PipelineConfig, shards: list[str]):
 def extract_shard_task(config: PipelineConfig, shard: str, the_plan, replica: int = 0):
     from eagle3.extract.stage import extract_shard
 
+    enter_workdir()
     artifact = create_progress_artifact(progress=0.0, description=f"extract {shard}")
     result = extract_shard(
         config,

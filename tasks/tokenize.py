@@ -8,6 +8,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
+from eagle3.cluster import enter_workdir
 from eagle3.config import PipelineConfig
 from tasks.retry import unless_permanent
 
@@ -17,6 +18,7 @@ from tasks.retry import unless_permanent
 def tokenize_shard_task(config: PipelineConfig, shard: str):
     from eagle3.tokenize.stage import load_tokenizer, tokenize_shard, tokenizer_path
 
+    enter_workdir()
     path = tokenizer_path(config)
     return tokenize_shard(config, shard, load_tokenizer(path), path, logger=get_run_logger())
 

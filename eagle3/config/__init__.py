@@ -13,12 +13,13 @@ Design choices:
 - No heavy imports here: flows and the CLI load this package before anything else.
 
 Layout: ``base`` (the strict base model, ConfigError, recipe paths), one module per group of
-sections (``data``, ``serving``, ``training``, ``evaluate``, ``export``), ``pipeline`` (the whole
+sections (``data``, ``serving``, ``training``, ``evaluate``, ``export``, ``cluster``), ``pipeline`` (the whole
 config and ``section_hash``) and ``load`` (defaults + file + ``--set``, overlay, TOML rendering).
 Callers import every name from ``eagle3.config``.
 """
 
 from eagle3.config.base import DEMO_RECIPE, RECIPES_DIR, ConfigError
+from eagle3.config.cluster import ClusterConfig
 from eagle3.config.data import DataConfig, SelfPromptsConfig
 from eagle3.config.evaluate import EvaluateConfig
 from eagle3.config.export import ExportConfig
@@ -30,6 +31,7 @@ from eagle3.config.training import ExtractConfig, TokenizeConfig, TrainConfig, V
 __all__ = [
     "DEMO_RECIPE",
     "RECIPES_DIR",
+    "ClusterConfig",
     "ConfigError",
     "DataConfig",
     "EvaluateConfig",

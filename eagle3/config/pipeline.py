@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from eagle3.config.base import _Strict
+from eagle3.config.cluster import ClusterConfig
 from eagle3.config.data import DataConfig
 from eagle3.config.evaluate import EvaluateConfig
 from eagle3.config.export import ExportConfig
@@ -36,6 +37,7 @@ class PipelineConfig(_Strict):
     train: TrainConfig = Field(default_factory=TrainConfig)
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
 
     @model_validator(mode="before")
     @classmethod
@@ -71,6 +73,16 @@ class PipelineConfig(_Strict):
                     "runs/NAME"
                 )
         return run_dir
+
+    @model_validator(mode="after")
+    def _replicas_need_a_cluster(self):
+        if self.server.replicas > 1 and self.server.mode == "managed" and not self.cluster.address:
+            raise ValueError(
+                f"server.replicas = {self.server.replicas} needs cluster.address: managed replicas are placed on a Ray "
+                "cluster's resources. Set cluster.address, or serve the copies yourself and list them in server.urls "
+                "(server.mode = external)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _compiled_needs_eager(self):

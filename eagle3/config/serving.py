@@ -34,6 +34,16 @@ class ServerConfig(_Strict):
             "/health."
         ),
     )
+    replicas: int = Field(
+        1,
+        ge=1,
+        description=(
+            "Managed mode: copies of the target's server. Above 1 it needs cluster.address: each replica is a "
+            "managed server started by a Ray actor on cluster resources (cluster.server_gpus, cluster.server_cpus "
+            "each), with the same health checks, restarts and stop as one managed server, and requests spread over "
+            "them as over external mode's server.urls. 1 (default): one server on this machine."
+        ),
+    )
     python: str | None = Field(
         None,
         description=(
