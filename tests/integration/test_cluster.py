@@ -1,0 +1,146 @@
+"""The tokenize and extract shard tasks on a real Ray cluster (a head and a second node on loopback,
+tests/ray_cluster.py), through the stage flows and a real Prefect server: the outputs are
+byte-identical to the single-machine run's, a worker SIGKILLed in the middle of a shard is rerun by
+Ray with nothing lost or duplicated, and a run without an address never imports Ray."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from ray_cluster import LocalCluster
+
+from conftest import PYTHON, ROOT
+
+sys.path.insert(0, str(ROOT / "tests" / "unit"))
+from test_kills import make_inputs, outputs  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+# Small batches: many per shard, so a worker can be killed with part of its shard written (the
+# batch size is part of the arithmetic, so every run here uses the same one).
+SETS = ['extract.dtype="float32"', "extract.batch_tokens=64", "vocab.draft_vocab_size=1000"]
+
+# The three stages as flows, in a process of their own; it says whether Ray was imported.
+LOCAL_RUN = """
+import sys
+from eagle3.config import DEMO_RECIPE, load_config
+from flows.extract import extract_flow
+from flows.tokenize import tokenize_flow
+from flows.vocab import vocab_flow
+config = load_config(DEMO_RECIPE, [f'run_dir="{sys.argv[1]}"', *sys.argv[2:]])
+tokenize_flow(config)
+vocab_flow(config)
+extract_flow(config)
+print("ray imported:", "ray" in sys.modules, "prefect_ray imported:", "prefect_ray" in sys.modules, flush=True)
+"""
+
+
+def api_env() -> dict:
+    """The environment that sends a subprocess's flows to the suite's Prefect test server."""
+    from prefect.settings import PREFECT_API_URL
+
+    return {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "OMP_NUM_THREADS": "1"}
+
+
+def worker_running(title: str) -> int | None:
+    """The pid of the Ray worker whose title has ``title`` (Ray titles a worker ``ray::<task name>`` while it runs)."""
+    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    for line in out.splitlines():
+        pid, _, args = line.strip().partition(" ")
+        if args.startswith("ray::") and title in args:
+            return int(pid)
+    return None
+
+
+class KillMidShard(threading.Thread):
+    """SIGKILL the Ray worker running ``extract-shard-00001`` once its hidden temp output exists:
+    the shard is under way, part of its states written."""
+
+    def __init__(self, run: Path):
+        super().__init__(daemon=True)
+        self.run_dir, self.killed, self.partial_at_kill = run, None, None
+        self.stop = threading.Event()
+
+    def partial(self) -> list[str]:
+        folder = self.run_dir / "hidden_states"
+        return [p.name for p in folder.glob(".shard-00001*")] if folder.exists() else []
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            pid = worker_running("extract-shard-00001")
+            if pid is not None and self.partial():
+                self.partial_at_kill = self.partial()
+                os.kill(pid, signal.SIGKILL)
+                self.killed = pid
+                return
+            time.sleep(0.005)
+
+
+@pytest.mark.timeout(900)
+def test_shard_tasks_on_a_ray_cluster_match_one_machine_and_survive_a_killed_worker(prefect_server, tmp_path):
+    import ray
+
+    from eagle3.config import DEMO_RECIPE, load_config
+    from eagle3.manifest import read_manifest
+    from flows.extract import extract_flow
+    from flows.tokenize import tokenize_flow
+    from flows.vocab import vocab_flow
+
+    # The single-machine reference, through the same flows, in a process that reports on Ray.
+    local = tmp_path / "local"
+    make_inputs(local)
+    out = subprocess.run(
+        [PYTHON, "-c", LOCAL_RUN, str(local), *SETS],
+        cwd=ROOT,
+        env=api_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "ray imported: False prefect_ray imported: False" in out.stdout, out.stdout[-2000:]
+    reference = outputs(local)
+
+    with LocalCluster(tmp_path / "ray-logs", nodes=2, cpus=1) as cluster:
+        try:
+            cluster_sets = [*SETS, f'cluster.address="{cluster.address}"', "cluster.extract_gpus=0"]
+            # Clean run on the cluster: byte-identical outputs, shards spread over both nodes.
+            clean = tmp_path / "on-ray"
+            make_inputs(clean)
+            config = load_config(DEMO_RECIPE, [f'run_dir="{clean}"', *cluster_sets])
+            tokenize_flow(config)
+            vocab_flow(config)
+            extract_flow(config)
+            assert outputs(clean) == reference
+
+            # A worker SIGKILLed mid-shard: Ray reruns the task, the shard resumes, nothing lost or duplicated.
+            killed = tmp_path / "killed"
+            make_inputs(killed)
+            config = load_config(DEMO_RECIPE, [f'run_dir="{killed}"', *cluster_sets])
+            tokenize_flow(config)
+            vocab_flow(config)
+            killer = KillMidShard(killed)
+            killer.start()
+            try:
+                extract_flow(config)
+            finally:
+                killer.stop.set()
+                killer.join(timeout=10)
+            assert killer.killed is not None, "the extraction finished before a worker could be killed mid-shard"
+            assert killer.partial_at_kill, "the kill came before the shard had written anything"
+            assert outputs(killed) == reference
+            entry = read_manifest(killed)["stages"]["extract"]
+            assert entry["in"] == entry["ok"] == 400 and entry["failed"] == 0, entry
+            assert not list((killed / "hidden_states").glob(".*")), "a temp file was left behind"
+            states = json.loads((killed / "hidden_states" / "shard-00001.index.json").read_text())
+            rows = pq.read_table(killed / "tokenized" / "shard-00001.parquet", columns=["id"]).column("id").to_pylist()
+            assert states["ids"] == rows and len(set(rows)) == len(rows)
+        finally:
+            ray.shutdown()

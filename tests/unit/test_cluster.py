@@ -1,0 +1,75 @@
+"""``[cluster]`` without a cluster: the settings' checks, the deadline on reaching a head, and no Ray
+import anywhere unless an address is set (tests/integration/test_cluster.py runs a real cluster)."""
+
+import subprocess
+import time
+
+import pytest
+
+from conftest import PYTHON, ROOT
+from eagle3.config import ConfigError, load_config
+from eagle3.config.base import DEMO_RECIPE
+
+# Every module of the product imported, and the demo config's branch decisions taken.
+IMPORT_ALL = """
+import importlib, pkgutil, sys
+# cli.__main__ runs the CLI on import; the vLLM modules run inside vLLM's own environment.
+skip = ("cli.__main__", "eagle3.extract.vllm_worker", "eagle3.extract.vllm_connector")
+for package in ("eagle3", "flows", "tasks", "cli"):
+    module = importlib.import_module(package)
+    for info in pkgutil.walk_packages(module.__path__, package + "."):
+        if info.name not in skip:
+            importlib.import_module(info.name)
+from eagle3.config import DEMO_RECIPE, load_config
+config = load_config(DEMO_RECIPE)
+assert not any(config.cluster.runs(s) for s in ("generate", "tokenize", "extract", "train"))
+print(sorted(m for m in sys.modules if m == "ray" or m.startswith(("ray.", "prefect_ray"))))
+"""
+
+
+def test_nothing_imports_ray_without_a_cluster_address():
+    out = subprocess.run([PYTHON, "-c", IMPORT_ALL], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def config_with(*sets):
+    return load_config(DEMO_RECIPE, ['run_dir="runs/t"', *sets])
+
+
+def test_an_address_places_only_the_listed_stages():
+    c = config_with('cluster.address="10.0.0.5:6379"', 'cluster.stages=["extract"]').cluster
+    assert c.runs("extract") and not c.runs("tokenize") and not c.runs("train")
+    assert not config_with('cluster.stages=["extract"]').cluster.runs("extract")  # no address: nothing placed
+
+
+@pytest.mark.parametrize(
+    "address, says",
+    [("auto", "never starts a Ray instance"), ("headnode", "needs a port"), ("ray://head", "needs a port")],
+)
+def test_bad_addresses_are_refused_naming_the_key(address, says):
+    with pytest.raises(ConfigError, match="cluster.address") as err:
+        config_with(f'cluster.address="{address}"')
+    assert says in str(err.value)
+
+
+def test_managed_replicas_need_a_cluster():
+    with pytest.raises(ConfigError, match="server.replicas = 2 needs cluster.address"):
+        config_with("server.replicas=2")
+    assert config_with("server.replicas=2", 'cluster.address="head:6379"').server.replicas == 2
+
+
+def test_an_absent_head_fails_within_the_deadline_naming_the_address():
+    from ray_cluster import free_port
+
+    from eagle3.cluster import ClusterUnreachable, connect
+    from eagle3.errors import is_permanent
+
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    cluster = config_with(f'cluster.address="{address}"', "cluster.connect_timeout_s=1.5").cluster
+    started = time.monotonic()
+    with pytest.raises(ClusterUnreachable) as err:
+        connect(cluster)
+    assert 1.4 < time.monotonic() - started < 10
+    assert address in str(err.value) and "connect_timeout_s=1.5" in str(err.value)
+    assert not is_permanent(err.value)  # a head that is restarting may answer a retry
