@@ -152,12 +152,13 @@ def test_the_ray_commands_exist_in_the_images_environment():
     for doc in yaml.safe_load_all((ROOT / "deployments" / "k8s" / "raycluster.yaml").read_text()):
         groups = [doc["spec"]["headGroupSpec"]] + doc["spec"]["workerGroupSpecs"]
         used |= {f"--{key}" for group in groups for key in group.get("rayStartParams", {})}
-    worker_script = yaml.safe_load((ROOT / "deployments" / "k8s" / "prefect-worker.yaml").read_text().split("---")[-1])
-    ray_line = next(
-        line
-        for line in worker_script["spec"]["template"]["spec"]["containers"][0]["args"][0].splitlines()
-        if line.strip().startswith("ray start")
+    k8s_worker = next(
+        doc
+        for doc in yaml.safe_load_all((ROOT / "deployments" / "k8s" / "prefect-worker.yaml").read_text())
+        if doc["kind"] == "Deployment"
     )
+    script = k8s_worker["spec"]["template"]["spec"]["containers"][0]["args"][0]
+    ray_line = next(line for line in script.splitlines() if line.strip().startswith("ray start"))
     used |= {f.split("=")[0] for f in re.findall(r"--[a-z-]+=?", ray_line)}
     assert used - accepted == set(), f"`ray start` does not accept {sorted(used - accepted)}"
     assert {"--head", "--address", "--block", "--num-gpus", "--dashboard-host"} <= used
