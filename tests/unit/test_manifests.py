@@ -226,6 +226,11 @@ def test_raycluster_shape():
         assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"], group["groupName"]
         resources = group["template"]["spec"]["containers"][0]["resources"]
         assert int(resources["limits"]["nvidia.com/gpu"]) >= 1
+        # Kubernetes refuses an extended resource whose request differs from its limit.
+        assert (
+            resources["requests"].get("nvidia.com/gpu", resources["limits"]["nvidia.com/gpu"])
+            == (resources["limits"]["nvidia.com/gpu"])
+        )
 
 
 def test_every_pod_runs_one_image_with_the_shared_run_folder_at_the_same_path():
