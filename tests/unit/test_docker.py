@@ -92,3 +92,73 @@ def test_deployment_entrypoints_exist():
         if d["name"] == "nightly-regeneration"
     )
     assert nightly["schedules"][0]["cron"] == "0 2 * * *" and nightly["schedules"][0]["timezone"]
+
+
+def test_compose_runs_a_ray_head_and_a_gpu_worker_from_the_project_image():
+    services = compose()["services"]
+    head, worker, prefect_worker = services["ray-head"], services["ray-worker"], services["worker"]
+    for name in ("ray-head", "ray-worker"):
+        assert services[name]["build"] == services["worker"]["build"], (
+            f"{name}: the project image (same Ray, same code)"
+        )
+        assert services[name]["command"][:2] == ["ray", "start"] and "--block" in services[name]["command"], name
+    assert "--head" in head["command"] and "--port=6379" in head["command"] and "--num-gpus=0" in head["command"]
+    assert "--address=ray-head:6379" in worker["command"]
+    gpu = worker["deploy"]["resources"]["reservations"]["devices"][0]
+    assert gpu["driver"] == "nvidia" and "gpu" in gpu["capabilities"]
+    assert worker["depends_on"]["ray-head"]["condition"] == "service_healthy"
+    assert all(p.startswith("127.0.0.1:") for p in head["ports"]), "the Ray dashboard is bound to loopback"
+    # The Prefect worker's flow runs drive the cluster: it joins as a node that offers nothing.
+    assert "ray start --address=ray-head:6379 --num-cpus=0 --num-gpus=0 && " in prefect_worker["command"][2]
+    assert prefect_worker["environment"]["EAGLE3_RAY_HEAD"] == "ray-head:6379"
+    for name in ("ray-head", "ray-worker", "worker"):
+        assert "runs:/opt/eagle3/runs" in services[name]["volumes"], f"{name}: the run folder at the same path"
+        assert services[name]["shm_size"], f"{name}: Ray's object store needs /dev/shm"
+
+
+def test_the_ray_commands_exist_in_the_images_environment():
+    """The image installs requirements/pipeline.txt; this environment installs the same pins. `ray`
+    must be a console script of the pinned version, and every `ray start` flag that compose, the
+    Kubernetes worker and KubeRay's rayStartParams pass must be one Ray 2.x accepts."""
+    import json
+    import subprocess
+    import sys
+    from importlib.metadata import distribution
+
+    pinned = re.search(r"^ray\[default\]==(\S+)", (ROOT / "requirements" / "pipeline.txt").read_text(), re.M)
+    assert pinned, "the images run `ray start`: ray[default] (with the dashboard) must be pinned"
+    ray = distribution("ray")
+    assert ray.version == pinned.group(1)
+    assert any(ep.name == "ray" and ep.group == "console_scripts" for ep in ray.entry_points)
+    # In a child process: this test process must not import ray (tests/unit/test_cluster.py checks that).
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import json; from ray.scripts.scripts import start; "
+            "print(json.dumps(sorted(o for p in start.params for o in p.opts)))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    accepted = set(json.loads(out.stdout.strip().splitlines()[-1]))
+    used = set()
+    services = compose()["services"]
+    for name in ("ray-head", "ray-worker"):
+        used |= {arg.split("=")[0] for arg in services[name]["command"][2:]}
+    used |= {f.split("=")[0] for f in re.findall(r"--[a-z-]+=?", services["worker"]["command"][2].split("&&")[0])}
+    for doc in yaml.safe_load_all((ROOT / "deployments" / "k8s" / "raycluster.yaml").read_text()):
+        groups = [doc["spec"]["headGroupSpec"]] + doc["spec"]["workerGroupSpecs"]
+        used |= {f"--{key}" for group in groups for key in group.get("rayStartParams", {})}
+    k8s_worker = next(
+        doc
+        for doc in yaml.safe_load_all((ROOT / "deployments" / "k8s" / "prefect-worker.yaml").read_text())
+        if doc["kind"] == "Deployment"
+    )
+    script = k8s_worker["spec"]["template"]["spec"]["containers"][0]["args"][0]
+    ray_line = next(line for line in script.splitlines() if line.strip().startswith("ray start"))
+    used |= {f.split("=")[0] for f in re.findall(r"--[a-z-]+=?", ray_line)}
+    assert used - accepted == set(), f"`ray start` does not accept {sorted(used - accepted)}"
+    assert {"--head", "--address", "--block", "--num-gpus", "--dashboard-host"} <= used
