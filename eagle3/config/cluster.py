@@ -19,10 +19,12 @@ class ClusterConfig(_Strict):
     address: str = Field(
         "",
         description=(
-            "The Ray cluster's address: HOST:PORT of the head's GCS (6379 by default; the process running the flow "
-            "joins the cluster as a driver, so it needs the cluster's network) or ray://HOST:10001 (Ray Client, "
-            "from outside the cluster). Empty (default): no cluster; every stage runs on this machine and Ray is "
-            "never imported. A shared run_dir is required: every node reads and writes it at the same path."
+            "The Ray cluster's address: HOST:PORT of the head's GCS (6379 by default; Ray connects a driver only "
+            "from a machine that is itself a node, so the machine running the flow joins first: `ray start "
+            "--address HOST:PORT --num-cpus 0 --num-gpus 0`, as the compose and Kubernetes workers do) or "
+            "ray://HOST:10001 (Ray Client, from outside the cluster). Empty (default): no cluster; every stage runs "
+            "on this machine and Ray is never imported. A shared run_dir is required: every node reads and writes "
+            "it at the same path."
         ),
     )
     stages: list[ClusterStage] = Field(
