@@ -27,65 +27,124 @@ class ShardLost(TransientError, RuntimeError):
     """A shard task's worker died more often than cluster.task_max_retries allows."""
 
 
+def _options(config: PipelineConfig, cpus: float, gpus: float, env: dict[str, str] | None = None) -> dict:
+    from eagle3.cluster import workdir_env
+
+    runtime_env = workdir_env(os.getcwd())
+    runtime_env["env_vars"].update(env or {})
+    return {
+        "num_cpus": cpus,
+        "num_gpus": gpus,
+        "max_retries": config.cluster.task_max_retries,
+        "runtime_env": runtime_env,
+    }
+
+
+def _runner(config: PipelineConfig, stage: str, cpus: float, gpus: float):
+    """Join the cluster, refuse a request no node can hold, and the task runner for the nested flow."""
+    from prefect_ray import RayTaskRunner
+
+    from eagle3.cluster import check_resources, connect, init_kwargs
+
+    ray = connect(config.cluster)
+    check_resources(ray, stage, {"CPU": cpus, "GPU": gpus})
+    return ray, RayTaskRunner(address=config.cluster.address, init_kwargs=init_kwargs())
+
+
+def _announce(ray, config: PipelineConfig, stage: str, count: int, cpus: float, gpus: float) -> None:
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    get_run_logger().info(
+        "%s: %d shard task(s) on the Ray cluster at %s (%d live nodes), each asking for %g CPU, %g GPU",
+        stage,
+        count,
+        config.cluster.address,
+        len(nodes),
+        cpus,
+        gpus,
+    )
+
+
+def _collect(calls: Sequence[tuple[Task, tuple]], futures: list, retries: int) -> list:
+    """Each task's result, or its error (Ray's word that a worker died as a ShardLost naming the task)."""
+    outcomes = []
+    for (task, _), future in zip(calls, futures, strict=True):
+        try:
+            outcomes.append(future.result())
+        except Exception as exc:  # noqa: BLE001 -- returned; the caller decides what a failure means
+            outcomes.append(_named(task.name, exc, retries))
+    return outcomes
+
+
 def run_shards(
     config: PipelineConfig,
     stage: str,
-    task: Task,
-    calls: Sequence[tuple[str, tuple]],
+    calls: Sequence[tuple[Task, tuple]],
     cpus: float,
     gpus: float = 0.0,
 ) -> list:
-    """Run ``task(*args)`` for each ``(task run name, args)`` on the cluster; results in call order."""
-    from prefect_ray import RayTaskRunner
+    """Run ``task(*args)`` for each ``(task, args)`` on the cluster (name each task with
+    ``with_options(name=...)``); results in call order, the first failure raised once all ended."""
     from prefect_ray.context import remote_options
 
-    from eagle3.cluster import check_resources, connect, init_kwargs, workdir_env
-
-    cluster = config.cluster
-    ray = connect(cluster)
-    check_resources(ray, stage, {"CPU": cpus, "GPU": gpus})
-    options = {
-        "num_cpus": cpus,
-        "num_gpus": gpus,
-        "max_retries": cluster.task_max_retries,
-        "runtime_env": workdir_env(os.getcwd()),
-    }
+    ray, runner = _runner(config, stage, cpus, gpus)
 
     @flow(
         name=f"eagle3-{stage}-on-ray",
-        description=f"The {stage} shard tasks placed on the Ray cluster at {cluster.address}.",
-        task_runner=RayTaskRunner(address=cluster.address, init_kwargs=init_kwargs()),
+        description=f"The {stage} shard tasks placed on the Ray cluster at {config.cluster.address}.",
+        task_runner=runner,
     )
     def on_ray() -> list:
-        log = get_run_logger()
-        nodes = [n for n in ray.nodes() if n.get("Alive")]
-        log.info(
-            "%s: %d shard task(s) on the Ray cluster at %s (%d live nodes), each asking for %g CPU, %g GPU",
-            stage,
-            len(calls),
-            cluster.address,
-            len(nodes),
-            cpus,
-            gpus,
-        )
-        with remote_options(**options):
-            futures = [task.with_options(name=name).submit(*args) for name, args in calls]
+        _announce(ray, config, stage, len(calls), cpus, gpus)
+        with remote_options(**_options(config, cpus, gpus)):
+            futures = [task.submit(*args) for task, args in calls]
         for future in futures:
             future.wait()
-        outcomes = []
-        for (name, _), future in zip(calls, futures, strict=True):
-            try:
-                outcomes.append(future.result())
-            except Exception as exc:  # noqa: BLE001 -- collected, the first raised below once all are counted
-                outcomes.append(_named(name, exc, cluster.task_max_retries))
+        outcomes = _collect(calls, futures, config.cluster.task_max_retries)
         failed = [o for o in outcomes if isinstance(o, BaseException)]
+        for error in failed[1:]:
+            get_run_logger().error("%s", error)
         if failed:
-            for error in failed[1:]:
-                log.error("%s", error)
             raise failed[0]
         return outcomes
 
     return on_ray()
+
+
+async def run_shards_async(
+    config: PipelineConfig,
+    stage: str,
+    calls: Sequence[tuple[Task, tuple]],
+    cpus: float,
+    env: dict[str, str] | None = None,
+) -> list:
+    """``run_shards`` for async tasks inside an async flow (generation): the waits run in threads, so
+    the flow's event loop keeps serving (the managed server's watch). Returns every outcome, errors
+    included, as ``asyncio.gather(..., return_exceptions=True)`` does. ``env``: environment the tasks
+    need (the API key variable), carried in their runtime_env."""
+    import asyncio
+
+    from prefect_ray.context import remote_options
+
+    ray, runner = _runner(config, stage, cpus, 0.0)
+
+    @flow(
+        name=f"eagle3-{stage}-on-ray",
+        description=f"The {stage} shard tasks placed on the Ray cluster at {config.cluster.address}.",
+        task_runner=runner,
+    )
+    async def on_ray() -> list:
+        _announce(ray, config, stage, len(calls), cpus, 0.0)
+        with remote_options(**_options(config, cpus, 0.0, env)):
+            futures = [task.submit(*args) for task, args in calls]
+        try:
+            await asyncio.gather(*(asyncio.to_thread(f.wait) for f in futures))
+        except asyncio.CancelledError:  # the flow gave up (its server is gone for good): so do the tasks
+            for future in futures:
+                ray.cancel(future.wrapped_future, force=True)
+            raise
+        return await asyncio.to_thread(_collect, calls, futures, config.cluster.task_max_retries)
+
+    return await on_ray()
 
 
 def _named(name: str, exc: Exception, retries: int) -> BaseException:

@@ -24,9 +24,12 @@ def extract_flow(config: PipelineConfig = PipelineConfig()) -> dict:
         from flows.cluster import run_shards
 
         # One task per shard, each on the GPUs one target copy needs: the cluster's GPUs bound the parallelism.
-        calls = [(f"extract-{s.removesuffix('.parquet')}", (config, s, the_plan)) for s in shards]
+        calls = [
+            (extract_shard_task.with_options(name=f"extract-{s.removesuffix('.parquet')}"), (config, s, the_plan))
+            for s in shards
+        ]
         c = config.cluster
-        results = run_shards(config, "extract", extract_shard_task, calls, cpus=c.extract_cpus, gpus=c.extract_gpus)
+        results = run_shards(config, "extract", calls, cpus=c.extract_cpus, gpus=c.extract_gpus)
         return extract_summary_task(config, results, the_plan)
     # Bounded parallelism: one shard per target replica at a time (one replica per GPU).
     replicas, results = config.extract.replicas, []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 from prefect import flow, get_run_logger
 
@@ -40,22 +41,31 @@ async def generate_flow(config: PipelineConfig = PipelineConfig()) -> dict:
         return generate_summary_task(config, [str(s) for s in shards], model)
     async with target_server(config, get_run_logger()) as serving:
         target = serving.target
-        runs = [
-            _bounded(
-                limit,
-                lambda s=s: generate_shard_task.with_options(
+        calls = [
+            (
+                generate_shard_task.with_options(
                     name=f"generate-{s.stem}",
                     timeout_seconds=stage.shard_timeout_s(rows, per_shard, gen) + outage_allowance_s(config),
                     retries=gen.shard_retries,
                     retry_delay_seconds=gen.shard_retry_delay_s,
                     retry_condition_fn=unless_permanent,
-                )(config, str(s), target, per_shard),
+                ),
+                (config, str(s), target, per_shard),
             )
             for s, rows in shards.items()
         ]
+        if config.cluster.runs("generate"):
+            from flows.cluster import run_shards_async
+
+            # The API key travels in the tasks' environment, as it reaches a local task.
+            key = {target.key_env: os.environ[target.key_env]} if target.key_env in os.environ else {}
+            work = run_shards_async(config, "generate", calls, cpus=config.cluster.generate_cpus, env=key)
+        else:
+            runs = [_bounded(limit, lambda t=t, a=a: t(*a)) for t, a in calls]
+            work = asyncio.gather(*runs, return_exceptions=True)
         # A managed server that is gone for good (past server.max_restarts) cancels the shards
         # at once: waiting out server.outage_wait_s for a server nobody restarts helps no one.
-        outcomes = await serving.run(asyncio.gather(*runs, return_exceptions=True)) or []
+        outcomes = await serving.run(work) or []
     # The accounting is written first (what is on disk stays counted), then the server's fate decides.
     try:
         entry = generate_summary_task(config, [str(s) for s in shards], target.model, serving.manifest_fields())

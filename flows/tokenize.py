@@ -10,11 +10,14 @@ from tasks.tokenize import shard_names, tokenize_shard_task, tokenize_summary_ta
 
 @flow(name="eagle3-tokenize", description="Input ids and loss masks per generation shard, as Parquet.")
 def tokenize_flow(config: PipelineConfig = PipelineConfig()) -> dict:
-    calls = [(f"tokenize-{s.removesuffix('.parquet')}", (config, s)) for s in shard_names(config)]
+    calls = [
+        (tokenize_shard_task.with_options(name=f"tokenize-{s.removesuffix('.parquet')}"), (config, s))
+        for s in shard_names(config)
+    ]
     if config.cluster.runs("tokenize"):
         from flows.cluster import run_shards
 
-        results = run_shards(config, "tokenize", tokenize_shard_task, calls, cpus=config.cluster.tokenize_cpus)
+        results = run_shards(config, "tokenize", calls, cpus=config.cluster.tokenize_cpus)
     else:
-        results = [tokenize_shard_task.with_options(name=name)(*args) for name, args in calls]
+        results = [task(*args) for task, args in calls]
     return tokenize_summary_task(config, results)

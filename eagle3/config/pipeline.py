@@ -85,6 +85,18 @@ class PipelineConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _cluster_clients_reach_the_server(self):
+        loopback = self.server.host in ("127.0.0.1", "localhost", "::1")
+        if self.cluster.runs("generate") and self.server.mode == "managed" and self.server.replicas == 1 and loopback:
+            raise ValueError(
+                f"cluster.stages includes generate, but the managed server listens on server.host = "
+                f"{self.server.host!r}, which generation tasks on other nodes cannot reach: set server.replicas > 1 "
+                "(replicas on the cluster listen on their node's address), an address other nodes reach in "
+                "server.host, or leave generate off cluster.stages"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _compiled_needs_eager(self):
         compiled = [m for m in self.evaluate.methods if m.endswith("_compiled")]
         if compiled and "--enforce-eager" not in self.server.args:

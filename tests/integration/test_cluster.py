@@ -83,10 +83,25 @@ class KillMidShard(threading.Thread):
             time.sleep(0.005)
 
 
-@pytest.mark.timeout(900)
-def test_shard_tasks_on_a_ray_cluster_match_one_machine_and_survive_a_killed_worker(prefect_server, tmp_path):
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """One two-node loopback cluster for the module (it takes ~15 s to start); the driver leaves after each test."""
+    with LocalCluster(tmp_path_factory.mktemp("ray-logs"), nodes=2, cpus=1) as local:
+        yield local
+
+
+@pytest.fixture()
+def driver():
     import ray
 
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.timeout(900)
+def test_shard_tasks_on_a_ray_cluster_match_one_machine_and_survive_a_killed_worker(
+    prefect_server, cluster, driver, tmp_path
+):
     from eagle3.config import DEMO_RECIPE, load_config
     from eagle3.manifest import read_manifest
     from flows.extract import extract_flow
@@ -108,39 +123,69 @@ def test_shard_tasks_on_a_ray_cluster_match_one_machine_and_survive_a_killed_wor
     assert "ray imported: False prefect_ray imported: False" in out.stdout, out.stdout[-2000:]
     reference = outputs(local)
 
-    with LocalCluster(tmp_path / "ray-logs", nodes=2, cpus=1) as cluster:
-        try:
-            cluster_sets = [*SETS, f'cluster.address="{cluster.address}"', "cluster.extract_gpus=0"]
-            # Clean run on the cluster: byte-identical outputs, shards spread over both nodes.
-            clean = tmp_path / "on-ray"
-            make_inputs(clean)
-            config = load_config(DEMO_RECIPE, [f'run_dir="{clean}"', *cluster_sets])
-            tokenize_flow(config)
-            vocab_flow(config)
-            extract_flow(config)
-            assert outputs(clean) == reference
+    cluster_sets = [*SETS, f'cluster.address="{cluster.address}"', "cluster.extract_gpus=0"]
+    # Clean run on the cluster: byte-identical outputs.
+    clean = tmp_path / "on-ray"
+    make_inputs(clean)
+    config = load_config(DEMO_RECIPE, [f'run_dir="{clean}"', *cluster_sets])
+    tokenize_flow(config)
+    vocab_flow(config)
+    extract_flow(config)
+    assert outputs(clean) == reference
 
-            # A worker SIGKILLed mid-shard: Ray reruns the task, the shard resumes, nothing lost or duplicated.
-            killed = tmp_path / "killed"
-            make_inputs(killed)
-            config = load_config(DEMO_RECIPE, [f'run_dir="{killed}"', *cluster_sets])
-            tokenize_flow(config)
-            vocab_flow(config)
-            killer = KillMidShard(killed)
-            killer.start()
-            try:
-                extract_flow(config)
-            finally:
-                killer.stop.set()
-                killer.join(timeout=10)
-            assert killer.killed is not None, "the extraction finished before a worker could be killed mid-shard"
-            assert killer.partial_at_kill, "the kill came before the shard had written anything"
-            assert outputs(killed) == reference
-            entry = read_manifest(killed)["stages"]["extract"]
-            assert entry["in"] == entry["ok"] == 400 and entry["failed"] == 0, entry
-            assert not list((killed / "hidden_states").glob(".*")), "a temp file was left behind"
-            states = json.loads((killed / "hidden_states" / "shard-00001.index.json").read_text())
-            rows = pq.read_table(killed / "tokenized" / "shard-00001.parquet", columns=["id"]).column("id").to_pylist()
-            assert states["ids"] == rows and len(set(rows)) == len(rows)
-        finally:
-            ray.shutdown()
+    # A worker SIGKILLed mid-shard: Ray reruns the task, the shard resumes, nothing lost or duplicated.
+    killed = tmp_path / "killed"
+    make_inputs(killed)
+    config = load_config(DEMO_RECIPE, [f'run_dir="{killed}"', *cluster_sets])
+    tokenize_flow(config)
+    vocab_flow(config)
+    killer = KillMidShard(killed)
+    killer.start()
+    try:
+        extract_flow(config)
+    finally:
+        killer.stop.set()
+        killer.join(timeout=10)
+    assert killer.killed is not None, "the extraction finished before a worker could be killed mid-shard"
+    assert killer.partial_at_kill, "the kill came before the shard had written anything"
+    assert outputs(killed) == reference
+    entry = read_manifest(killed)["stages"]["extract"]
+    assert entry["in"] == entry["ok"] == 400 and entry["failed"] == 0, entry
+    assert not list((killed / "hidden_states").glob(".*")), "a temp file was left behind"
+    states = json.loads((killed / "hidden_states" / "shard-00001.index.json").read_text())
+    rows = pq.read_table(killed / "tokenized" / "shard-00001.parquet", columns=["id"]).column("id").to_pylist()
+    assert states["ids"] == rows and len(set(rows)) == len(rows)
+
+
+def test_generation_shards_on_the_cluster_keep_their_retries_and_key(
+    prefect_server, cluster, driver, demo_config, tmp_path, monkeypatch
+):
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+
+    from fake_openai import FakeConfig, FaultRule, run_fake_server
+    from flows.generate import generate_flow
+    from test_flows import children_of, external, task_runs_of
+
+    # The key reaches the tasks on the cluster (the fake server refuses requests without it), and
+    # Prefect's shard retry works there as on one machine: "please retry me" fails 3 times, its
+    # shard's first attempt gives up after max_attempts=2, the retry resends only that prompt.
+    monkeypatch.setenv("EAGLE3_API_KEY", "key-for-the-cluster")
+    rule = FaultRule(match="please retry me", kind="status", status=503, times=3)
+    with run_fake_server(FakeConfig(api_key="key-for-the-cluster", rules=[rule])) as fake:
+        config = external(
+            demo_config, tmp_path, fake.base_url, f'cluster.address="{cluster.address}"', 'cluster.stages=["generate"]'
+        )
+        state = asyncio.run(generate_flow(config, return_state=True))
+        assert state.is_completed(), state
+        attempts = fake.stats()["attempts"]
+    assert attempts["please retry me"] == 4
+    assert all(n == 1 for p, n in attempts.items() if p != "please retry me"), "finished prompts are never resent"
+    with get_client(sync_client=True) as client:
+        on_ray = children_of(client, state.state_details.flow_run_id)["eagle3-generate-on-ray"]
+        runs = {t.name.rsplit("-", 1)[0]: t.run_count for t in task_runs_of(client, on_ray.id)}
+    assert sorted(runs) == ["generate-shard-00000", "generate-shard-00001"], runs
+    assert sorted(runs.values()) == [1, 2], runs
+    manifest = json.loads((Path(config.run_dir) / "manifest.json").read_text())["stages"]["generate"]
+    assert (manifest["in"], manifest["ok"], manifest["failed"]) == (20, 20, 0)
