@@ -88,6 +88,17 @@ class ExtractConfig(_Strict):
             "only for small targets and tests."
         ),
     )
+    storage_dtype: Literal["bfloat16", "fp8_e4m3"] = Field(
+        "bfloat16",
+        description=(
+            "How offline mode stores the states. bfloat16: tokens x 4 x hidden x 2 bytes, exactly what the target "
+            "computed in bf16. fp8_e4m3: half that (plus 16 bytes of scales per token), one float32 scale per "
+            "token and layer, read back as bf16 within e4m3's rounding (2^-4 relative); for datasets whose bf16 "
+            "states would not fit the disk or the file system's bandwidth (docs/scale-out.md). Default bfloat16: "
+            "lossless, and the drafter's acceptance with fp8 is measured in benchmarks/README.md before it is "
+            "trusted."
+        ),
+    )
     replicas: int = Field(
         1,
         ge=1,

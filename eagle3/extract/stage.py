@@ -5,8 +5,8 @@
   ``shard-K.index.json`` (sample ids in row order, token counts, layer ids, model) and the marker
   ``shard-K.done.json`` last, keyed on the tokenized shard's hash, the model, the layer ids, the
   dtype and the backend: same inputs, no work; anything changed, the shard is extracted again.
-- Before any work the stage adds up the bytes the missing shards need (tokens x 4 x H x 2) and
-  refuses to start when the run directory's filesystem has less free space, naming both numbers.
+- Before any work the stage adds up the bytes the missing shards need (tokens x 4 x H x 2 in bf16,
+  about half in fp8) and refuses to start when the run directory's filesystem has less free space, naming both numbers.
 - Online mode stores nothing: it checks the target's layer ids and writes ``online.json``, the
   settings training uses to run the same extraction per batch.
 - Accounting per shard: ``in`` = tokenized rows = ``ok`` (rows with stored states). A forward
@@ -30,7 +30,7 @@ from eagle3.config import PipelineConfig, section_hash
 from eagle3.durable import atomic_write_json, remove_inside, sha256_file, writing
 from eagle3.errors import MissingInputError, run_first
 from eagle3.extract.errors import DiskSpaceError, StatesError
-from eagle3.extract.store import StatesWriter, states_bytes
+from eagle3.extract.store import StatesWriter, states_bytes, token_bytes
 from eagle3.layout import RunLayout
 from eagle3.markers import Marker, read_marker, remove_marker, write_marker
 from eagle3.tokenize.stage import read_done as read_tokenized_done
@@ -72,6 +72,8 @@ def _tokenized_marker(p: dict, shard: str) -> Marker:
 def _key(config: PipelineConfig, tokenized_sha: str, fingerprint: str, layer_ids: list[int]) -> str:
     hs = config.extract
     parts = [tokenized_sha, fingerprint, json.dumps(layer_ids), hs.dtype, hs.backend]
+    if hs.storage_dtype != "bfloat16":  # bf16 shards written before fp8 existed keep their keys
+        parts.append(hs.storage_dtype)
     return hashlib.sha256(":".join(parts).encode()).hexdigest()[:16]
 
 
@@ -105,12 +107,12 @@ class Plan:
     keys: dict[str, str]
     done: dict[str, bool]
     tokens: dict[str, int]
+    storage: str = "bfloat16"
 
     @property
     def bytes_needed(self) -> int:
-        return int(
-            sum(states_bytes(self.tokens[s], self.hidden_size) for s, d in self.done.items() if not d) * DISK_MARGIN
-        )
+        todo = sum(self.tokens[s] for s, d in self.done.items() if not d)
+        return int(states_bytes(todo, self.hidden_size, self.storage) * DISK_MARGIN)
 
 
 def plan(config: PipelineConfig, shards: list[str]) -> Plan:
@@ -148,7 +150,7 @@ def plan(config: PipelineConfig, shards: list[str]) -> Plan:
         keys[shard] = _key(config, marker["parquet_sha256"], fingerprint, layer_ids)
         tokens[shard] = int(marker["result"]["tokens"])
         done[shard] = _is_done(p, keys[shard])
-    return Plan(layer_ids, hidden, fingerprint, keys, done, tokens)
+    return Plan(layer_ids, hidden, fingerprint, keys, done, tokens, config.extract.storage_dtype)
 
 
 def _is_done(p: dict, key: str) -> bool:
@@ -171,7 +173,8 @@ def check_disk(config: PipelineConfig, the_plan: Plan) -> None:
         raise DiskSpaceError(
             f"extract: the states of {missing} shards need {_gib(need)} "
             f"({sum(t for s, t in the_plan.tokens.items() if not the_plan.done[s])} tokens "
-            f"x 4 x {the_plan.hidden_size} x 2 bytes, +{round((DISK_MARGIN - 1) * 100)}%) "
+            f"x {token_bytes(the_plan.hidden_size, the_plan.storage)} bytes ({the_plan.storage}), "
+            f"+{round((DISK_MARGIN - 1) * 100)}%) "
             f"but {out} has only {_gib(free)} free. "
             'Free space, point run_dir at a larger disk, or set extract.mode="online" '
             "to compute states inside training."
@@ -205,7 +208,7 @@ def extract_shard(
     }
     with (
         writing(p["states"], "extract"),
-        StatesWriter(p["states"], [len(s) for s in seqs], the_plan.hidden_size, meta) as writer,
+        StatesWriter(p["states"], [len(s) for s in seqs], the_plan.hidden_size, meta, the_plan.storage) as writer,
     ):
         if hs.backend == "vllm":
             _fill_with_vllm(config, shard, ids, seqs, the_plan, writer, log)
@@ -223,7 +226,7 @@ def extract_shard(
             "layer_ids": the_plan.layer_ids,
             "hidden_size": the_plan.hidden_size,
             "model": config.server.model,
-            "dtype": "bfloat16",
+            "dtype": the_plan.storage,
         },
     )
     result = ExtractResult(shard, str(p["states"]), len(ids), len(ids), tokens, round(seconds, 3), False)
@@ -341,6 +344,7 @@ def record(config: PipelineConfig, results: list[ExtractResult], the_plan: Plan)
         backend=config.extract.backend,
         layer_ids=the_plan.layer_ids,
         hidden_size=the_plan.hidden_size,
+        storage_dtype=the_plan.storage,
         tokens=sum(r.tokens for r in results),
         bytes=sum(Path(r.path).stat().st_size for r in results if r.path and Path(r.path).is_file()),
         config_hash=section_hash(config.extract),

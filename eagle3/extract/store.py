@@ -7,6 +7,13 @@ Layout of ``hidden_states/shard-K.safetensors`` (the contract in docs/design.md)
 - ``last`` bf16 [T, H]: the last decoder layer's output, before the final norm.
 The sample ids, layer ids and model sit in ``shard-K.index.json`` beside it.
 
+With ``extract.storage_dtype = "fp8_e4m3"`` (metadata ``storage = fp8_e4m3``) ``aux`` and ``last``
+are float8 e4m3 and ``scale`` float32 [T, 4] holds one scale per token and layer (the three
+auxiliary layers, then the last): a stored value times its scale is the state. Each scale is the
+row's largest magnitude over 448, e4m3's largest finite value, so nothing saturates and the
+relative error per value stays within e4m3's rounding (2^-4). Half the bytes of bf16, plus 16
+per token; readers get bf16 either way.
+
 Why a hand-written writer: a shard of an 8B target holds tens of GB of states, more than
 memory. Every shape is known before the first forward (token counts come from the tokenized
 shard), so the header is written first and each batch's rows go straight to their place with
@@ -31,33 +38,71 @@ from eagle3.extract.errors import StatesError
 FORMAT = "eagle3-hidden-states/1"
 
 
-def states_bytes(num_tokens: int, hidden: int) -> int:
-    """Bytes of aux + last for ``num_tokens`` tokens: tokens x 4 x H x 2 (bf16)."""
-    return num_tokens * 4 * hidden * 2
+STORAGE = ("bfloat16", "fp8_e4m3")
+FP8_MAX = 448.0  # float8 e4m3fn's largest finite value
+LAYERS = 4  # three auxiliary layers and the last
+
+
+def token_bytes(hidden: int, storage: str = "bfloat16") -> int:
+    """Bytes one token's states take: 4 x H x 2 in bf16; 4 x H + 4 x 4 (its scales) in fp8."""
+    return LAYERS * hidden * 2 if storage == "bfloat16" else LAYERS * hidden + LAYERS * 4
+
+
+def states_bytes(num_tokens: int, hidden: int, storage: str = "bfloat16") -> int:
+    """Bytes of the stored states (aux + last, and the scales in fp8) for ``num_tokens`` tokens."""
+    return num_tokens * token_bytes(hidden, storage)
+
+
+def quantize(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [n, groups * H] as e4m3 values and float32 scales [n, groups], one per row and group."""
+    n = x.shape[0]
+    grouped = x.float().reshape(n, groups, -1)
+    scale = (grouped.abs().amax(dim=2) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    values = (grouped / scale[:, :, None]).to(torch.float8_e4m3fn)
+    return values.reshape(n, -1), scale
+
+
+def dequantize(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``quantize``, as bf16."""
+    n, groups = scale.shape
+    return (values.float().reshape(n, groups, -1) * scale[:, :, None]).reshape(n, -1).to(torch.bfloat16)
 
 
 class StatesWriter:
     """Write one shard's states; ``write(k, aux, last)`` per sample, then ``commit()``."""
 
-    def __init__(self, path: str | Path, lengths: list[int], hidden: int, metadata: dict[str, str] | None = None):
-        self.path, self.hidden = Path(path), hidden
+    def __init__(
+        self,
+        path: str | Path,
+        lengths: list[int],
+        hidden: int,
+        metadata: dict[str, str] | None = None,
+        storage: str = "bfloat16",
+    ):
+        if storage not in STORAGE:
+            raise StatesError(f"{path}: storage dtype {storage!r} is not one of {STORAGE}")
+        self.path, self.hidden, self.storage = Path(path), hidden, storage
         self.offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=self.offsets[1:])
         total = int(self.offsets[-1])
-        sizes = {"offsets": self.offsets.nbytes, "aux": total * 3 * hidden * 2, "last": total * hidden * 2}
+        fp8 = storage == "fp8_e4m3"
+        width, kind = (1, "F8_E4M3") if fp8 else (2, "BF16")
+        tensors = [
+            ("offsets", "I64", [len(lengths) + 1], self.offsets.nbytes),
+            ("aux", kind, [total, 3 * hidden], total * 3 * hidden * width),
+            ("last", kind, [total, hidden], total * hidden * width),
+        ]
+        if fp8:
+            tensors.append(("scale", "F32", [total, LAYERS], total * LAYERS * 4))
         header, start = {}, 0
-        for name, dtype, shape in (
-            ("offsets", "I64", [len(lengths) + 1]),
-            ("aux", "BF16", [total, 3 * hidden]),
-            ("last", "BF16", [total, hidden]),
-        ):
-            header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [start, start + sizes[name]]}
-            start += sizes[name]
-        header["__metadata__"] = {"format": FORMAT, **(metadata or {})}
+        for name, dtype, shape, size in tensors:
+            header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [start, start + size]}
+            start += size
+        header["__metadata__"] = {"format": FORMAT, "storage": storage, **(metadata or {})}
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
         self._base = 8 + len(raw)
-        self._starts = {name: self._base + header[name]["data_offsets"][0] for name in ("aux", "last")}
+        self._starts = {name: self._base + header[name]["data_offsets"][0] for name, *_ in tensors}
         self._written = np.zeros(len(lengths), dtype=bool)
         self.tmp = self.path.with_name(f".{self.path.name}.partial")
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -86,8 +131,20 @@ class StatesWriter:
                 "overflowed in this dtype"
             )
         row = int(self.offsets[k])
-        os.pwrite(self._fd, aux.view(torch.int16).numpy().tobytes(), self._starts["aux"] + row * 3 * self.hidden * 2)
-        os.pwrite(self._fd, last.view(torch.int16).numpy().tobytes(), self._starts["last"] + row * self.hidden * 2)
+        if self.storage == "fp8_e4m3":
+            aux8, aux_scale = quantize(aux, 3)
+            last8, last_scale = quantize(last, 1)
+            scale = torch.cat([aux_scale, last_scale], dim=1).contiguous()
+            os.pwrite(self._fd, aux8.view(torch.uint8).numpy().tobytes(), self._starts["aux"] + row * 3 * self.hidden)
+            os.pwrite(self._fd, last8.view(torch.uint8).numpy().tobytes(), self._starts["last"] + row * self.hidden)
+            os.pwrite(self._fd, scale.numpy().tobytes(), self._starts["scale"] + row * LAYERS * 4)
+        else:
+            aux_at, last_at = (
+                self._starts["aux"] + row * 3 * self.hidden * 2,
+                self._starts["last"] + row * self.hidden * 2,
+            )
+            os.pwrite(self._fd, aux.view(torch.int16).numpy().tobytes(), aux_at)
+            os.pwrite(self._fd, last.view(torch.int16).numpy().tobytes(), last_at)
         self._written[k] = True
 
     def commit(self) -> None:
@@ -133,12 +190,46 @@ class ShardStates:
         if meta.get("format") != FORMAT:
             raise StatesError(f"{self.path}: format {meta.get('format')!r}, expected {FORMAT!r}")
         self.metadata = meta
+        self.storage = meta.get("storage", "bfloat16")  # files written before fp8 existed carry no storage key
+        if self.storage not in STORAGE:
+            raise StatesError(f"{self.path}: storage {self.storage!r} is not one of {STORAGE}")
         self.offsets = self._file.get_tensor("offsets").numpy()
         self._aux, self._last = self._file.get_slice("aux"), self._file.get_slice("last")
+        self._check_layout()
+
+    def _check_layout(self) -> None:
+        """Dtypes and shapes as the storage says, and in fp8 every scale finite and positive: a file
+        that lies about them would train on garbage without a word."""
+        expected = "F8_E4M3" if self.storage == "fp8_e4m3" else "BF16"
+        total = int(self.offsets[-1])
+        for name, sl in (("aux", self._aux), ("last", self._last)):
+            if sl.get_dtype() != expected or sl.get_shape()[0] != total:
+                raise StatesError(
+                    f"{self.path}: tensor {name!r} is {sl.get_dtype()} {sl.get_shape()}, expected {expected} with "
+                    f"{total} rows (storage {self.storage})"
+                )
+        self._scale = None
+        if self.storage == "fp8_e4m3":
+            if "scale" not in self._file.keys():
+                raise StatesError(f"{self.path}: fp8 storage without its 'scale' tensor")
+            scale = self._file.get_tensor("scale")
+            if scale.dtype != torch.float32 or tuple(scale.shape) != (total, LAYERS):
+                raise StatesError(
+                    f"{self.path}: 'scale' is {scale.dtype} {list(scale.shape)}, expected float32 [{total}, {LAYERS}]"
+                )
+            bad = ~(torch.isfinite(scale) & (scale > 0))
+            if bad.any():
+                row = int(bad.any(dim=1).nonzero()[0])
+                raise StatesError(f"{self.path}: 'scale' row {row} is not finite and positive: {scale[row].tolist()}")
+            self._scale = scale
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
     def sample(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample ``k``'s (aux, last) as bf16, dequantized when stored in fp8."""
         a, b = int(self.offsets[k]), int(self.offsets[k + 1])
-        return self._aux[a:b], self._last[a:b]
+        if self._scale is None:
+            return self._aux[a:b], self._last[a:b]
+        scale = self._scale[a:b]
+        return dequantize(self._aux[a:b], scale[:, :3]), dequantize(self._last[a:b], scale[:, 3:])
