@@ -150,6 +150,7 @@ class ExtractStageResult(StageResult):
     backend: str = "hf"
     layer_ids: tuple[int, ...] = ()
     hidden_size: int = 0
+    storage_dtype: str = "bfloat16"  # how offline mode stored the states (entries before fp8 existed: bf16)
     tokens: int = 0
     bytes: int = 0
     model_fingerprint: str = ""
