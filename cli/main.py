@@ -105,6 +105,10 @@ def _preflight(config, command: str = "run") -> None:
     from eagle3.prepare.sources import local_files
 
     local_files(config.data.source)  # raises SourceError naming a missing file or folder
+    from eagle3.cluster import precheck
+
+    todo = stages.STAGES if command == "run" else (stages.get(command),)
+    precheck(config, [s.name for s in todo])  # a cluster address nobody answers at fails now, naming it
     if _reads_model_files(config, command):
         from eagle3.models import resolve_model
 

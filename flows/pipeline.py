@@ -43,9 +43,11 @@ def run_name() -> str:
     description="Prompts to a trained, exported and live-evaluated EAGLE-3 drafter.",
 )
 async def pipeline_flow(config: PipelineConfig = PipelineConfig()) -> dict:
+    from eagle3.cluster import precheck
     from eagle3.reasoning import check_config
 
     check_config(config)  # a reasoning mode the chat template cannot express fails before any stage runs
+    precheck(config, [s.name for s in stages.STAGES])  # so does a cluster address nobody answers at
     results = await run_stages(config, stages.STAGES)
     results["report"] = report_task(config)
     return results

@@ -111,3 +111,13 @@ def enter_workdir() -> None:
             f"this cluster node has no folder {target} (the flow's working directory, {WORKDIR_ENV}): run the flow "
             f"and the Ray nodes from the same image, with the project and run_dir at the same paths ({exc})"
         ) from None
+
+
+def precheck(config, stage_names) -> None:
+    """Before a run starts: when any of ``stage_names`` uses the cluster, its head answers (a TCP
+    probe; Ray is not imported), so a wrong address fails in seconds, not after hours of generation."""
+    uses = any(config.cluster.runs(name) for name in stage_names)
+    if "generate" in stage_names and config.server.mode == "managed" and config.server.replicas > 1:
+        uses = True
+    if uses:
+        probe(config.cluster.address, config.cluster.connect_timeout_s)
