@@ -46,6 +46,16 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
             "repeatable"
         ),
     )
+    p.add_argument(
+        "--progress",
+        choices=("auto", "bars", "lines", "off"),
+        default="auto",
+        help=(
+            "how the run shows its progress on stderr: bars (one per running stage: done/total, rate, ETA, "
+            "failures), lines (the same as a plain line per stage every 10 s, for logs and CI), off; auto "
+            "(default): bars on a terminal, lines otherwise"
+        ),
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -180,9 +190,21 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from flows.pipeline import pipeline_flow
 
-    results = asyncio.run(pipeline_flow(config))
+    with _progress(args):
+        results = asyncio.run(pipeline_flow(config))
     print(_summary(config, results))
     return 0
+
+
+def _progress(args: argparse.Namespace):
+    """The progress display the command line asks for (eagle3/progress.py)."""
+    import contextlib
+
+    from eagle3 import progress
+
+    if args.progress == "off":
+        return contextlib.nullcontext()
+    return progress.watch(sys.stderr, bars={"auto": None, "bars": True, "lines": False}[args.progress])
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
@@ -195,8 +217,12 @@ def cmd_stage(args: argparse.Namespace) -> int:
     import asyncio
     import inspect
 
-    outcome = stages.resolve(stage.flow)(config)
-    results = {stage.name: asyncio.run(outcome) if inspect.isawaitable(outcome) else outcome}
+    from eagle3 import progress
+
+    with _progress(args):
+        outcome = stages.resolve(stage.flow)(config)
+        results = {stage.name: asyncio.run(outcome) if inspect.isawaitable(outcome) else outcome}
+        progress.finish(stage.name)
     print(_summary(config, results))
     return 0
 

@@ -21,6 +21,7 @@ from prefect.tasks import Task
 
 from eagle3.config import PipelineConfig
 from eagle3.errors import TransientError
+from eagle3.progress import report
 
 
 class ShardLost(TransientError, RuntimeError):
@@ -97,8 +98,10 @@ def run_shards(
         _announce(ray, config, stage, len(calls), cpus, gpus)
         with remote_options(**_options(config, cpus, gpus)):
             futures = [task.submit(*args) for task, args in calls]
-        for future in futures:
+        for done, future in enumerate(futures):
+            report(stage, "on the cluster", done, len(futures), unit="shards")
             future.wait()
+        report(stage, "on the cluster", len(futures), len(futures), unit="shards")
         outcomes = _collect(calls, futures, config.cluster.task_max_retries)
         failed = [o for o in outcomes if isinstance(o, BaseException)]
         for error in failed[1:]:

@@ -11,7 +11,7 @@ import inspect
 from prefect import flow
 from prefect.runtime import flow_run
 
-from eagle3 import stages
+from eagle3 import progress, stages
 from eagle3.config import PipelineConfig
 from tasks.report import report_task
 
@@ -22,6 +22,7 @@ async def run_stages(config: PipelineConfig, todo: tuple[stages.Stage, ...]) -> 
     for stage in todo:
         outcome = stages.resolve(stage.flow)(config)
         results[stage.name] = await outcome if inspect.isawaitable(outcome) else outcome
+        progress.finish(stage.name)
     return results
 
 

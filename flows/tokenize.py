@@ -5,6 +5,7 @@ from __future__ import annotations
 from prefect import flow
 
 from eagle3.config import PipelineConfig
+from eagle3.progress import report
 from tasks.tokenize import shard_names, tokenize_shard_task, tokenize_summary_task
 
 
@@ -19,5 +20,9 @@ def tokenize_flow(config: PipelineConfig = PipelineConfig()) -> dict:
 
         results = run_shards(config, "tokenize", calls, cpus=config.cluster.tokenize_cpus)
     else:
-        results = [task(*args) for task, args in calls]
+        results = []
+        for task, args in calls:
+            report("tokenize", "shards", len(results), len(calls), unit="shards")
+            results.append(task(*args))
+    report("tokenize", "shards", len(results), len(calls), unit="shards")
     return tokenize_summary_task(config, results)

@@ -11,6 +11,7 @@ from prefect.cache_policies import NO_CACHE
 
 from eagle3.cluster import enter_workdir
 from eagle3.config import PipelineConfig
+from eagle3.progress import report
 from tasks.retry import unless_permanent
 
 
@@ -39,15 +40,15 @@ def extract_shard_task(config: PipelineConfig, shard: str, the_plan, replica: in
 
     enter_workdir()
     artifact = create_progress_artifact(progress=0.0, description=f"extract {shard}")
-    result = extract_shard(
-        config,
-        shard,
-        the_plan,
-        replica,
-        logger=get_run_logger(),
-        progress=lambda f: update_progress_artifact(artifact, 100.0 * f),
-    )
+    tokens = the_plan.tokens.get(shard, 0)
+
+    def progress(fraction: float) -> None:
+        update_progress_artifact(artifact, 100.0 * fraction)
+        report("extract", shard, fraction * tokens, tokens, unit="tokens")
+
+    result = extract_shard(config, shard, the_plan, replica, logger=get_run_logger(), progress=progress)
     update_progress_artifact(artifact, 100.0)
+    report("extract", shard, tokens, tokens, unit="tokens")
     return result
 
 

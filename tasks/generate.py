@@ -16,6 +16,7 @@ from eagle3.errors import TransientError
 from eagle3.generate import stage
 from eagle3.generate.client import EndpointPool, deadline_s
 from eagle3.generate.shard import ShardResult, generate_shard
+from eagle3.progress import report
 from eagle3.serving.target import Target, outage_wait_s, replica_events
 
 
@@ -44,6 +45,7 @@ async def generate_shard_task(config: PipelineConfig, shard: str, target: Target
     def progress(snap: dict) -> None:
         logger.info(_progress_line(Path(shard).name, snap))
         finished = snap["done"] + snap["skipped"] + snap["failed"] + snap["filtered"]
+        report("generate", Path(shard).name, finished, snap["total"], snap["failed"], unit="samples")
         job = asyncio.ensure_future(aupdate_progress_artifact(artifact, 100.0 * finished / max(1, snap["total"])))
         pending.add(job)
         job.add_done_callback(pending.discard)

@@ -21,6 +21,7 @@ from prefect.cache_policies import NO_CACHE
 
 from eagle3.config import PipelineConfig
 from eagle3.layout import RunLayout
+from eagle3.progress import report
 from tasks.retry import unless_permanent
 
 
@@ -37,6 +38,7 @@ def train_task(config: PipelineConfig, shards: list[str]) -> dict:
         match = STEP_LINE.search(line)
         if match:
             update_progress_artifact(artifact, 100.0 * int(match.group(1)) / int(match.group(2)))
+            report("train", "all", int(match.group(1)), int(match.group(2)), unit="steps")
 
     entry = run_train(config, shards, logger=get_run_logger(), on_line=progress)
     update_progress_artifact(artifact, 100.0)
