@@ -129,5 +129,38 @@ def test_a_killed_actor_fails_cleanly_and_the_rerun_resumes_to_the_same_curve(tm
     assert not torchruns(request), "no torchrun keeps training"
     assert not placement_groups_left()
 
-    run_train(config, names)  # what the Prefect task's retry does
+    seen: list[str] = []
+    run_train(config, names, on_line=seen.append)  # what the Prefect task's retry does
+    assert any("[node 0] [rank 0] resumed from" in x for x in seen), seen[:20]
     assert_same_curve(reference, lines(log))
+
+
+def test_a_job_past_its_deadline_stops_every_node(tmp_path, cluster):
+    from eagle3.train.stage import TrainFailed, run_train
+
+    config, names = on_cluster(tmp_path, cluster)
+    config = config.model_copy(update={"train": config.train.model_copy(update={"timeout_s": 6.0})})
+    request = Path(config.run_dir) / "train" / "request.json"
+    with pytest.raises(TrainFailed, match=r"ran past train.timeout_s=6 s; every node was stopped"):
+        run_train(config, names)
+    assert not torchruns(request), "no torchrun keeps training"  # stopped before the error was raised
+    assert not placement_groups_left()
+
+
+def test_more_nodes_than_the_cluster_has_is_refused_naming_both(tmp_path, cluster):
+    from eagle3.cluster import ClusterTooSmall
+    from eagle3.cluster.train import run_on_cluster
+    from eagle3.config import DEMO_RECIPE, load_config
+
+    config = load_config(
+        DEMO_RECIPE,
+        [
+            f'run_dir="{tmp_path / "run"}"',
+            f'cluster.address="{cluster.address}"',
+            "cluster.train_gpus_per_process=0",
+            "train.nnodes=3",
+        ],
+    )
+    with pytest.raises(ClusterTooSmall, match=r"train: needs 3 node\(s\) with \{CPU: 1\} free, but .*\{CPU: 1\}"):
+        run_on_cluster(config, tmp_path / "request.json", None, None, threads=1)
+    assert not placement_groups_left()
