@@ -27,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-from eagle3.cluster import ClusterTooSmall, check_resources, connect, enter_workdir, workdir_env
+from eagle3.cluster import check_resources, connect, enter_workdir, workdir_env
 from eagle3.config import PipelineConfig
 
 # How long one poll of a node may take before the node counts as lost (a live actor answers in
@@ -285,4 +285,4 @@ def _stop_all(ray, actors: list) -> None:
             log_module.debug("ray.kill: %s", exc)
 
 
-__all__ = ["ClusterTooSmall", "NodeRunner", "bundle", "node_argv", "run_on_cluster"]
+__all__ = ["NodeRunner", "bundle", "node_argv", "run_on_cluster"]
