@@ -97,6 +97,19 @@ class PipelineConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _multi_node_needs_an_endpoint(self):
+        t = self.train
+        if t.nnodes > 1 and not self.cluster.runs("train"):  # on the cluster, the pipeline sets the rendezvous
+            host, _, port = t.rdzv_endpoint.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(
+                    f"train.nnodes={t.nnodes} needs train.rdzv_endpoint as host:port of node 0 "
+                    f"(got {t.rdzv_endpoint!r}), "
+                    'e.g. --set train.rdzv_endpoint="node0:29400", or a cluster.address with train in cluster.stages'
+                )
+        return self
+
+    @model_validator(mode="after")
     def _compiled_needs_eager(self):
         compiled = [m for m in self.evaluate.methods if m.endswith("_compiled")]
         if compiled and "--enforce-eager" not in self.server.args:

@@ -226,17 +226,39 @@ class TrainConfig(_Strict):
             "torchrun --nproc-per-node: processes per node (one per GPU; on CPU, 2 processes already share the cores)."
         ),
     )
-    nnodes: int = Field(1, ge=1, description="torchrun --nnodes: nodes in the job.")
-    node_rank: int = Field(0, ge=0, description="torchrun --node-rank of this node (multi-node).")
+    nnodes: int = Field(
+        1,
+        ge=1,
+        description=(
+            "torchrun --nnodes: nodes in the job. 1 (default): one machine. With cluster.address set and train in "
+            "cluster.stages, one run starts all of them on the Ray cluster (one node per bundle, STRICT_SPREAD); "
+            "without a cluster, start torchrun on each node yourself with its train.node_rank."
+        ),
+    )
+    node_rank: int = Field(
+        0,
+        ge=0,
+        description=(
+            "torchrun --node-rank of this node (multi-node without a cluster). 0 (default): the first node. Not "
+            "used when training runs on the Ray cluster: the cluster gives each node its rank."
+        ),
+    )
     rdzv_endpoint: str = Field(
         "",
         description=(
             "torchrun rendezvous host:port. Empty (single node): torchrun --standalone picks a free local port, so "
             "two runs on one machine never collide (a fixed port made the second one fail with EADDRINUSE). "
-            "Multi-node: required, an address of node 0 every node reaches."
+            "Multi-node: required, an address of node 0 every node reaches. Not used when training runs on the Ray "
+            "cluster: the cluster sets the rendezvous (node 0's IP and a free port, torchrun's static rendezvous)."
         ),
     )
-    rdzv_id: str = Field("eagle3", description="torchrun rendezvous id shared by the nodes of one job.")
+    rdzv_id: str = Field(
+        "eagle3",
+        description=(
+            "torchrun rendezvous id shared by the nodes of one job (default eagle3: one job per rendezvous "
+            "endpoint). Not used on the Ray cluster (static rendezvous)."
+        ),
+    )
     timeout_s: float = Field(
         172800.0,
         gt=0,
@@ -247,15 +269,8 @@ class TrainConfig(_Strict):
     )
 
     @model_validator(mode="after")
-    def _multi_node_needs_an_endpoint(self):
-        if self.nnodes > 1:
-            host, _, port = self.rdzv_endpoint.rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(
-                    f"train.nnodes={self.nnodes} needs train.rdzv_endpoint as host:port of node 0 "
-                    f"(got {self.rdzv_endpoint!r}), "
-                    'e.g. --set train.rdzv_endpoint="node0:29400"'
-                )
+    def _node_rank_in_range(self):
+        # The endpoint a multi-node job needs is checked in PipelineConfig: on the Ray cluster there is none.
         if self.node_rank >= self.nnodes:
             raise ValueError(f"train.node_rank={self.node_rank} must be below train.nnodes={self.nnodes}")
         return self

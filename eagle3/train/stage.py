@@ -138,23 +138,73 @@ def run_train(config: PipelineConfig, shards: list[str], logger=None, on_line=No
             "result_path": str(result_path),
         },
     )
-    argv = torchrun_argv(config, request)
-    log.info("train: %s", " ".join(argv))
     started = time.monotonic()
-    threads = max(
-        1, (os.cpu_count() or 1) // config.train.nproc_per_node
-    )  # one process per core share, not oversubscribed
-    _run_streamed(
-        argv,
-        config.train.timeout_s,
-        log,
-        cwd=Path(__file__).resolve().parents[2],
-        threads=threads,
-        on_line=on_line,
-        pidfile=layout.torchrun_pid,
-    )
+    if config.cluster.runs(STAGE):
+        _run_on_cluster(config, request, log, on_line)
+    else:
+        argv = torchrun_argv(config, request)
+        log.info("train: %s", " ".join(argv))
+        threads = max(1, (os.cpu_count() or 1) // config.train.nproc_per_node)  # a core share, not oversubscribed
+        _run_streamed(
+            argv,
+            config.train.timeout_s,
+            log,
+            cwd=Path(__file__).resolve().parents[2],
+            threads=threads,
+            on_line=on_line,
+            pidfile=layout.torchrun_pid,
+        )
     result = read_json(result_path)
+    # world_size (result.json) is what the workers counted: nnodes x nproc_per_node, on a cluster too.
     return record(config, result, layer_ids, time.monotonic() - started)
+
+
+def _run_on_cluster(config: PipelineConfig, request: Path, log, on_line) -> None:
+    """torchrun on train.nnodes Ray nodes (eagle3/cluster/train.py). Each process gets
+    cluster.train_cpus_per_process threads (what Ray reserved for it) unless OMP_NUM_THREADS is set
+    here; the request path is absolute, since the nodes run in the flow's working directory."""
+    from eagle3.cluster.train import run_on_cluster
+
+    threads = int(os.environ.get("OMP_NUM_THREADS") or max(1, int(config.cluster.train_cpus_per_process)))
+    watch, disk_errors = _watcher(on_line)
+    try:
+        run_on_cluster(config, Path(request).resolve(), log, on_line=watch, threads=threads)
+    except TrainFailed:
+        _raise_disk_error(disk_errors)
+        raise
+
+
+def _watcher(on_line):
+    """A line hook that notes a worker's DiskWriteError line and passes every line to ``on_line``."""
+    disk_errors: list[str] = []
+
+    def watch(line: str) -> None:
+        if found := DISK_ERROR_LINE.search(line):
+            disk_errors.append(found.group(1))
+        if on_line is not None:
+            on_line(line)  # a failing progress display is logged by the pump, never stops training
+
+    return watch, disk_errors
+
+
+def _raise_disk_error(disk_errors: list[str]) -> None:
+    """A worker's failed write (disk full) as the one DiskWriteError naming the file."""
+    if disk_errors:
+        from eagle3.durable import DiskWriteError
+
+        raise DiskWriteError(errno.EIO, disk_errors[0])
+
+
+def torchrun_env(threads: int, base: dict | None = None) -> dict[str, str]:
+    """torchrun's environment: ``base`` (default: this process's) with unbuffered output and
+    ``threads`` OpenMP threads per process unless ``base`` sets them."""
+    base = dict(os.environ if base is None else base)
+    env = {**base, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": base.get("OMP_NUM_THREADS", str(threads))}
+    # MKL's reproducibility conditions: a fixed thread count, not one it may lower at run time, so
+    # that a resumed run repeats the uninterrupted run's CPU arithmetic (an environment setting wins).
+    for name in ("MKL_DYNAMIC", "OMP_DYNAMIC"):
+        env.setdefault(name, "FALSE")
+    return env
 
 
 def _run_streamed(
@@ -166,26 +216,14 @@ def _run_streamed(
     is stopped first."""
     from eagle3 import proc
 
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
-    # MKL's reproducibility conditions: a fixed thread count, not one it may lower at run time, so
-    # that a resumed run repeats the uninterrupted run's CPU arithmetic (an environment setting wins).
-    for name in ("MKL_DYNAMIC", "OMP_DYNAMIC"):
-        env.setdefault(name, "FALSE")
-    disk_errors: list[str] = []
-
-    def watch(line: str) -> None:
-        if found := DISK_ERROR_LINE.search(line):
-            disk_errors.append(found.group(1))
-        if on_line is not None:
-            on_line(line)  # a failing progress display is logged by the pump, never stops training
-
+    watch, disk_errors = _watcher(on_line)
     try:
         done = proc.run(
             argv,
             timeout_s=timeout_s,
             name="torchrun",
             logger=log,
-            env=env,
+            env=torchrun_env(threads),
             cwd=cwd,
             pidfile=pidfile,
             grace_s=15.0,
@@ -197,11 +235,8 @@ def _run_streamed(
             "checkpoint"
         ) from None
     code = done.returncode
-    if code != 0 and disk_errors:
-        from eagle3.durable import DiskWriteError
-
-        raise DiskWriteError(errno.EIO, disk_errors[0])
     if code != 0:
+        _raise_disk_error(disk_errors)
         raise TrainFailed(f"torchrun exited with code {code}; last lines:\n" + "\n".join(done.tail()[-20:]))
 
 

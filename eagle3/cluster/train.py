@@ -1,0 +1,288 @@
+"""Training on the Ray cluster: torchrun on ``train.nnodes`` cluster nodes, one trigger.
+
+Ray only places the work; the job itself is today's torchrun job (``eagle3.train.worker`` on every
+process, the same checkpoints, resume and ``[rank 0] step N/M`` lines):
+- a placement group of ``train.nnodes`` bundles, STRICT_SPREAD (one per node; two raylets on one
+  machine are two nodes), each ``nproc_per_node`` times ``cluster.train_{cpus,gpus}_per_process``,
+  waited for under ``cluster.connect_timeout_s``;
+- one ``NodeRunner`` actor per bundle. Actor 0 reports its node's IP and a free port; every actor
+  runs ``torchrun --nnodes=N --node-rank=i --master-addr=IP0 --master-port=PORT`` (torchrun's static
+  rendezvous: the pipeline is the one that knows every node) as an ``eagle3.proc`` child group, so
+  the group dies with the actor even when the actor is SIGKILLed (its guard sees the lifeline close);
+- the driver polls the actors for output lines under a deadline, logs them with the node index and
+  hands them to ``on_line``; a node whose torchrun exits non-zero, an actor that dies or stops
+  answering, or ``train.timeout_s`` stops every node (the actors' groups, then ``ray.kill``) and
+  raises ``TrainFailed`` (transient: the Prefect task's retry resumes from checkpoints/latest.json).
+The placement group is removed at the end in every case. Why not Ray Train: docs/stages.md (train).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+from eagle3.cluster import check_resources, connect, enter_workdir, workdir_env
+from eagle3.config import PipelineConfig
+
+# How long one poll of a node may take before the node counts as lost (a live actor answers in
+# milliseconds; a raylet that vanished without Ray noticing yet would otherwise hang the driver).
+POLL_DEADLINE_S = 60.0
+# Between polls: output reaches the log within this, and the driver costs nothing next to training.
+POLL_INTERVAL_S = 0.5
+# A placed actor's worker process starts (imports, runtime_env) within this, on a loaded node too.
+ACTOR_START_S = 120.0
+# Stopping a node's torchrun: SIGTERM, this long for its workers to leave, then SIGKILL.
+STOP_GRACE_S = 15.0
+# Lines a node keeps for the driver between two polls (a driver that falls further behind is told
+# how many it missed; the node's full output is in its Ray worker log as well).
+BUFFER_LINES = 20000
+# Lines quoted per node in the error of a failed job.
+TAIL_LINES = 20
+
+log_module = logging.getLogger(__name__)
+
+
+def bundle(config: PipelineConfig) -> dict[str, float]:
+    """One node's share of the job: nproc_per_node processes' CPUs and GPUs (zeros left out: Ray
+    refuses a zero resource in a bundle)."""
+    n, c = config.train.nproc_per_node, config.cluster
+    asked = {"CPU": n * c.train_cpus_per_process, "GPU": n * c.train_gpus_per_process}
+    return {k: v for k, v in asked.items() if v > 0}
+
+
+def node_argv(config: PipelineConfig, request: Path, node: int, master: tuple[str, int]) -> list[str]:
+    """torchrun's command line on cluster node ``node`` (argv[0] is replaced by the node's Python)."""
+    t = config.train
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={t.nproc_per_node}",
+        f"--nnodes={t.nnodes}",
+        f"--node-rank={node}",
+        f"--master-addr={master[0]}",
+        f"--master-port={master[1]}",
+        "-m",
+        "eagle3.train.worker",
+        str(request),
+    ]
+
+
+class NodeRunner:
+    """A Ray actor holding one node's torchrun group and its output (``ray.remote`` is applied by
+    ``run_on_cluster``, so importing this module never imports Ray)."""
+
+    def __init__(self, node: int) -> None:
+        enter_workdir()  # the flow's working directory: a config's relative paths resolve as there
+        self.node = node
+        self._child = None
+        self._lines: collections.deque[str] = collections.deque(maxlen=BUFFER_LINES)
+        self._count = 0  # lines seen so far; the buffer holds the last len(_lines) of them
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    def address(self) -> tuple[str, int]:
+        """This node's IP (as Ray knows it, so the other nodes reach it) and a port free right now
+        for torchrun's store (node 0 only; the port is closed again before torchrun binds it)."""
+        import ray
+
+        ip = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((ip, 0))
+            return ip, s.getsockname()[1]
+
+    def _keep(self, line: str) -> None:
+        with self._lock:
+            self._lines.append(line)
+            self._count += 1
+
+    def start(self, argv: list[str], env: dict[str, str]) -> int:
+        """Start torchrun in its own group under a guard; returns its pid."""
+        from eagle3 import proc
+
+        argv = [sys.executable, *argv[1:]]  # this node's interpreter, same image
+        self._child = proc.Child(
+            argv,
+            name=f"torchrun node {self.node}",
+            logger=log_module,
+            env={**os.environ, **env},
+            cwd=os.getcwd(),
+            grace_s=STOP_GRACE_S,
+            on_line=self._keep,
+            tail_lines=TAIL_LINES,
+        ).start()
+        return self._child.pid
+
+    def poll(self, after: int) -> dict:
+        """Lines numbered from ``after`` on, how many of those the buffer no longer held, and the
+        exit code once torchrun has exited and its output is drained (None while it runs)."""
+        from eagle3 import proc
+
+        code = self._child.poll()
+        if code is not None and not self._stopped:
+            self._child.stop(proc.LEFTOVER_GRACE_S)  # leftovers of the group; drains the output
+            self._stopped = True
+        with self._lock:
+            first = self._count - len(self._lines)
+            start = max(after, first)
+            lines = list(self._lines)[start - first :]
+            return {"lines": lines, "next": self._count, "missed": start - after, "code": code}
+
+    def stop(self) -> None:
+        """SIGTERM the group, STOP_GRACE_S, SIGKILL (no-op once stopped)."""
+        if self._child is not None and not self._stopped:
+            self._child.stop()
+            self._stopped = True
+
+
+def _placement(ray, config: PipelineConfig):
+    """The placement group, ready, or ClusterTooSmall / TrainFailed naming what was asked."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from eagle3.train.stage import TrainFailed
+
+    asked, nodes = bundle(config), config.train.nnodes
+    check_resources(ray, "train", asked, count=nodes)
+    group = placement_group([dict(asked) for _ in range(nodes)], strategy="STRICT_SPREAD")
+    wait_s = config.cluster.connect_timeout_s
+    if not group.wait(wait_s):
+        remove_placement_group(group)
+        want = ", ".join(f"{k}: {v:g}" for k, v in asked.items())
+        raise TrainFailed(
+            f"train: the cluster did not grant {nodes} node(s) with {{{want}}} each (one per node, train.nnodes x "
+            f"train.nproc_per_node x cluster.train_*_per_process) within cluster.connect_timeout_s={wait_s:g} s; "
+            f"free now: {ray.available_resources()}. Other jobs hold them; rerun when they are free"
+        )
+    return group
+
+
+def run_on_cluster(config: PipelineConfig, request: Path, log, on_line, threads: int) -> None:
+    """Run the training job on ``train.nnodes`` cluster nodes to its end (see the module doc).
+    ``on_line`` sees every line, prefixed ``[node i]``; TrainFailed names a failed node."""
+    from ray.exceptions import GetTimeoutError, RayActorError
+    from ray.util.placement_group import remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from eagle3.train.stage import TrainFailed
+
+    ray = connect(config.cluster)
+    started = time.monotonic()
+    deadline = started + config.train.timeout_s
+    nodes, asked = config.train.nnodes, bundle(config)
+    group = _placement(ray, config)
+    remote = ray.remote(NodeRunner)
+    actors: list = []
+    tails = [collections.deque(maxlen=TAIL_LINES) for _ in range(nodes)]
+
+    def failed(node: int | None, why: str) -> TrainFailed:
+        quoted = "".join(
+            f"\n[node {i}] last lines:\n" + "\n".join(tail)
+            for i, tail in enumerate(tails)
+            if tail and node in (None, i)
+        )
+        where = f"node {node}: " if node is not None else ""
+        return TrainFailed(
+            f"train on the cluster: {where}{why}; every node was stopped, rerun to resume from the last checkpoint"
+            + quoted
+        )
+
+    def get(ref, node: int, what: str, wait_s: float):
+        try:
+            return ray.get(ref, timeout=max(0.1, min(wait_s, deadline - time.monotonic())))
+        except RayActorError as exc:
+            lost = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            why = f"its actor died while {what} (its Ray node or worker process was lost: {lost})"
+            raise failed(node, why) from None
+        except GetTimeoutError:
+            if time.monotonic() >= deadline:
+                raise failed(None, f"ran past train.timeout_s={config.train.timeout_s:g} s") from None
+            raise failed(node, f"its actor did not answer within {wait_s:g} s while {what}") from None
+
+    try:
+        env = {**workdir_env(os.getcwd())}
+        for i in range(nodes):
+            actors.append(
+                remote.options(
+                    num_cpus=asked.get("CPU", 0),
+                    num_gpus=asked.get("GPU", 0),
+                    max_restarts=0,
+                    max_task_retries=0,
+                    runtime_env=env,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
+                ).remote(i)
+            )
+        master = get(actors[0].address.remote(), 0, "starting", ACTOR_START_S)
+        torch_env = torchrun_env(threads)
+        pids = [
+            get(a.start.remote(node_argv(config, request, i, master), torch_env), i, "starting", ACTOR_START_S)
+            for i, a in enumerate(actors)
+        ]
+        log.info("train: torchrun on %d cluster nodes (master %s:%d, pids %s)", nodes, *master, pids)
+        cursors, codes = [0] * nodes, [None] * nodes
+        while True:
+            if time.monotonic() >= deadline:
+                raise failed(None, f"ran past train.timeout_s={config.train.timeout_s:g} s")
+            running = [i for i in range(nodes) if codes[i] is None]
+            refs = {i: actors[i].poll.remote(cursors[i]) for i in running}
+            lost: list[TrainFailed] = []
+            for i, ref in refs.items():
+                try:
+                    got = get(ref, i, "training", POLL_DEADLINE_S)
+                except TrainFailed as exc:
+                    lost.append(exc)  # the other nodes' last lines still come in first
+                    continue
+                if got["missed"]:
+                    log.warning("[node %d] %d output lines not shown (the driver fell behind)", i, got["missed"])
+                for line in got["lines"]:
+                    tails[i].append(line)
+                    log.info("[node %d] %s", i, line)
+                    if on_line is not None:
+                        try:
+                            on_line(f"[node {i}] {line}")
+                        except Exception as exc:  # noqa: BLE001 - a display hook never stops training
+                            log.warning("train: output handler failed: %s", exc)
+                cursors[i], codes[i] = got["next"], got["code"]
+            if lost:  # a lost node is the cause; the others' torchrun then fails on the broken collective
+                raise lost[0]
+            bad = [i for i in range(nodes) if codes[i] not in (None, 0)]
+            if bad:
+                others = "".join(f"; node {i} exited with code {codes[i]}" for i in bad[1:])
+                raise failed(bad[0], f"torchrun exited with code {codes[bad[0]]}{others}")
+            if all(c == 0 for c in codes):
+                return
+            time.sleep(POLL_INTERVAL_S)
+    finally:
+        _stop_all(ray, actors)
+        remove_placement_group(group)
+
+
+def torchrun_env(threads: int) -> dict[str, str]:
+    """What run_train sets for torchrun on one machine (eagle3.train.stage.torchrun_env), with the
+    thread count this side chose: a node's Ray worker has its own OMP_NUM_THREADS (its CPU count),
+    which would give each of nproc_per_node processes the whole bundle's cores."""
+    from eagle3.train.stage import torchrun_env as local
+
+    return local(threads, base={})
+
+
+def _stop_all(ray, actors: list) -> None:
+    """Stop every node's torchrun group (SIGTERM, grace, SIGKILL) under one deadline, then kill the
+    actors: an actor that cannot answer dies by ray.kill, and its group's guard stops torchrun."""
+    if not actors:
+        return
+    refs = [a.stop.remote() for a in actors]
+    ray.wait(refs, num_returns=len(refs), timeout=STOP_GRACE_S + 10.0)
+    for a in actors:
+        try:
+            ray.kill(a, no_restart=True)
+        except Exception as exc:  # noqa: BLE001 - a dead actor is what we want
+            log_module.debug("ray.kill: %s", exc)
+
+
+__all__ = ["NodeRunner", "bundle", "node_argv", "run_on_cluster"]

@@ -1,0 +1,166 @@
+"""Training on a real two-node Ray cluster (two raylets on loopback): one run_train starts torchrun on
+both nodes (1 process each) and matches 2-process torchrun on one machine step for step; an actor
+killed mid-training gives one TrainFailed naming the node, leaves no torchrun behind, and the rerun
+resumes from the checkpoint to the same loss curve."""
+
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from ray_cluster import LocalCluster
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "tests" / "unit"))
+from test_train import lines, make_train_run, torchrun  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with LocalCluster(tmp_path_factory.mktemp("ray-logs"), nodes=2, cpus=1) as c:
+        try:
+            yield c
+        finally:
+            import ray
+
+            ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The loss curve of plain 2-process torchrun on this machine (gloo, CPU)."""
+    local, names = make_train_run(tmp_path_factory.mktemp("local"))
+    torchrun(local, names, nproc=2)
+    return lines(Path(local.run_dir) / "train" / "log.jsonl")
+
+
+def on_cluster(tmp_path: Path, cluster: LocalCluster):
+    return make_train_run(
+        tmp_path,
+        f'cluster.address="{cluster.address}"',
+        "cluster.train_gpus_per_process=0",
+        "cluster.train_cpus_per_process=1",
+        "train.nnodes=2",
+        "train.nproc_per_node=1",
+    )
+
+
+def assert_same_curve(reference: list[dict], got: list[dict]) -> None:
+    assert [x["step"] for x in got] == [x["step"] for x in reference], "no step lost, none duplicated"
+    for x, y in zip(reference, got):
+        assert abs(x["loss"] - y["loss"]) < 1e-4 * max(1, x["loss"]) and x["tokens"] == y["tokens"], (x, y)
+
+
+def torchruns(request: Path) -> list[int]:
+    """pids of live processes whose command line names this run's request file (torchrun, its workers)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if str(request).encode() in cmd and state != "Z":
+            found.append(int(pid))
+    return found
+
+
+def placement_groups_left() -> list:
+    import ray
+
+    return [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
+
+
+def test_two_cluster_nodes_train_the_same_curve_as_two_local_processes(tmp_path, cluster, reference):
+    from eagle3.train.stage import run_train
+
+    config, names = on_cluster(tmp_path, cluster)
+    seen: list[str] = []
+    entry = run_train(config, names, on_line=seen.append)
+    got = lines(Path(config.run_dir) / "train" / "log.jsonl")
+    assert_same_curve(reference, got)
+    assert entry.world_size == 2, entry
+    assert any(x.startswith("[node 0] [rank 0] step ") for x in seen), seen[-10:]
+    assert any(x.startswith("[node 1] ") for x in seen), "node 1's output streams back too"
+    assert not placement_groups_left(), "the placement group is removed"
+
+
+def test_a_killed_actor_fails_cleanly_and_the_rerun_resumes_to_the_same_curve(tmp_path, cluster, reference):
+    from eagle3.train.stage import TrainFailed, run_train
+
+    config, names = on_cluster(tmp_path, cluster)
+    run = Path(config.run_dir)
+    log, latest = run / "train" / "log.jsonl", run / "checkpoints" / "latest.json"
+    request = run / "train" / "request.json"
+    outcome: dict = {}
+
+    def train() -> None:
+        try:
+            outcome["entry"] = run_train(config, names)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=train)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (latest.exists() and log.exists() and len(lines(log)) >= 4):
+        time.sleep(0.05)
+    node1 = [p for p in torchruns(request) if b"--node-rank=1" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    actor = {int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1]) for p in node1} - set(node1)
+    assert len(actor) == 1, (node1, actor)
+    os.kill(actor.pop(), signal.SIGKILL)  # node 1's Ray actor dies mid-run, after a checkpoint
+    thread.join(120)
+    assert not thread.is_alive()
+    error = outcome.get("error")
+    assert isinstance(error, TrainFailed), outcome
+    assert "node 1: its actor died" in str(error) and "rerun to resume" in str(error), error
+    assert len(lines(log)) < len(reference), "the kill came before the end"
+    deadline = time.monotonic() + 30  # the dead actor's guard stops its torchrun (SIGTERM, grace, SIGKILL)
+    while torchruns(request) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not torchruns(request), "no torchrun keeps training"
+    assert not placement_groups_left()
+
+    seen: list[str] = []
+    run_train(config, names, on_line=seen.append)  # what the Prefect task's retry does
+    assert any("[node 0] [rank 0] resumed from" in x for x in seen), seen[:20]
+    assert_same_curve(reference, lines(log))
+
+
+def test_a_job_past_its_deadline_stops_every_node(tmp_path, cluster):
+    from eagle3.train.stage import TrainFailed, run_train
+
+    config, names = on_cluster(tmp_path, cluster)
+    config = config.model_copy(update={"train": config.train.model_copy(update={"timeout_s": 6.0})})
+    request = Path(config.run_dir) / "train" / "request.json"
+    with pytest.raises(TrainFailed, match=r"ran past train.timeout_s=6 s; every node was stopped"):
+        run_train(config, names)
+    assert not torchruns(request), "no torchrun keeps training"  # stopped before the error was raised
+    assert not placement_groups_left()
+
+
+def test_more_nodes_than_the_cluster_has_is_refused_naming_both(tmp_path, cluster):
+    from eagle3.cluster import ClusterTooSmall
+    from eagle3.cluster.train import run_on_cluster
+    from eagle3.config import DEMO_RECIPE, load_config
+
+    config = load_config(
+        DEMO_RECIPE,
+        [
+            f'run_dir="{tmp_path / "run"}"',
+            f'cluster.address="{cluster.address}"',
+            "cluster.train_gpus_per_process=0",
+            "train.nnodes=3",
+        ],
+    )
+    with pytest.raises(ClusterTooSmall, match=r"train: needs 3 node\(s\) with \{CPU: 1\} free, but .*\{CPU: 1\}"):
+        run_on_cluster(config, tmp_path / "request.json", None, None, threads=1)
+    assert not placement_groups_left()
