@@ -192,7 +192,7 @@ class Replicas:
         return self
 
     def _place(self, ray) -> None:
-        from eagle3.cluster import check_resources, workdir_env
+        from eagle3.cluster import check_resources
 
         cluster, count = self.config.cluster, len(self._states)
         asked = {"CPU": cluster.server_cpus, "GPU": cluster.server_gpus}
@@ -211,7 +211,7 @@ class Replicas:
             scheduling_strategy="SPREAD",
             max_concurrency=4,  # state() and stop() answer while start() waits for the server
             max_restarts=0,  # a dead actor's server is gone too; the pool benches it
-            runtime_env=workdir_env(os.getcwd()),
+            runtime_env=_runtime_env(),
         )
         self._actors = [actor.remote(self.config, i, self.name, str(path)) for i, path in enumerate(self.log_paths)]
 
@@ -310,6 +310,19 @@ class Replicas:
             self.stop()
         except Exception as exc:  # noqa: BLE001 - cleanup must go on
             self.logger.error("%s", exc)
+
+
+def _runtime_env() -> dict:
+    """The actor's environment: the flow's working directory, and Ray's kill of a worker's direct
+    children at its exit turned off (RAY_kill_child_processes_on_worker_exit). That kill takes the
+    server's guard and the API server alone with SIGKILL, which leaves vLLM's engine core and workers
+    (their grandchildren) running, as seen when the flow's process was SIGKILLed; left alone, the guard
+    sees the actor gone and stops the server's whole group and its descendants."""
+    from eagle3.cluster import workdir_env
+
+    runtime_env = workdir_env(os.getcwd())
+    runtime_env["env_vars"]["RAY_kill_child_processes_on_worker_exit"] = "false"
+    return runtime_env
 
 
 def _alive(ray, actors: list) -> list[int]:

@@ -206,3 +206,80 @@ async def two_phases(config, watcher: threading.Thread, killed: dict) -> dict:
         fields = serving.manifest_fields()
     stage.record(config, stage.summarize(config, shards), serving.target.model, fields)
     return timings
+
+
+# The flow's process SIGKILLed while replicas run: Ray ends the actors it owned, and each server's guard
+# stops the server's group and its descendants. A stand-in server (the fake as "vLLM") with a child of its
+# own plays vLLM's API server and engine core: seconds instead of minutes, and the same process shapes.
+DRIVER = """
+import asyncio, logging, sys
+from eagle3.config import DEMO_RECIPE, load_config
+from eagle3.serving.target import target_server
+config = load_config(DEMO_RECIPE, sys.argv[1:])
+async def main():
+    async with target_server(config, logging.getLogger("driver")) as serving:
+        print("READY", " ".join(serving.target.urls), flush=True)
+        await asyncio.sleep(600)
+asyncio.run(main())
+"""
+GRANDCHILD = "cluster-serve-grandchild"
+
+
+def test_a_sigkilled_flow_process_leaves_no_replica_running(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import PYTHON, ROOT
+    from test_server_faults import FAKE_AS_VLLM
+
+    wrapper = tmp_path / "fake_as_vllm.py"
+    fake = FAKE_AS_VLLM.format(tests=str(ROOT / "tests"))
+    spawn = (
+        f"import subprocess; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', '{GRANDCHILD}'])\n"
+    )
+    wrapper.write_text(fake.replace("import fake_openai\n", "import fake_openai\n" + spawn, 1))
+    fake_cfg = tmp_path / "fake.json"
+    fake_cfg.write_text(json.dumps({"slots": 4, "tokens_per_s": 400}))
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)  # eagle3 from this checkout through PYTHONPATH, as for the test itself
+    markers = (str(wrapper), GRANDCHILD, "ray::_Replica")
+    before = set(running(markers))
+    with LocalCluster(tmp_path / "ray", nodes=2, cpus=1) as cluster:
+        sets = [
+            f'run_dir="{tmp_path / "run"}"',
+            "server.replicas=2",
+            f'cluster.address="{cluster.address}"',
+            "cluster.server_gpus=0",
+            'server.served_model_name="fake-target"',
+            f'server.command=["{PYTHON}", "{wrapper}"]',
+            f'server.args=["--fake-config-file", "{fake_cfg}"]',
+            'server.reasoning_parser=""',
+            "server.startup_timeout_s=60",
+            "server.stop_grace_s=5",
+        ]
+        proc = subprocess.Popen(
+            [sys.executable, str(driver), *sets], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        try:
+            lines = []
+            for line in proc.stdout:  # the driver's own startup deadline bounds this (startup_timeout_s)
+                lines.append(line)
+                if line.startswith("READY"):
+                    break
+            assert lines and lines[-1].startswith("READY"), "".join(lines[-30:])
+            before.add(proc.pid)  # the driver's command line names the wrapper too
+            up = {pid: cmd for pid, cmd in running(markers).items() if pid not in before}
+            kinds = [sum(m in cmd for cmd in up.values()) for m in markers]
+            assert kinds == [2, 2, 2], f"two servers, their children and two actors run: {up}"
+            proc.kill()
+            proc.wait(10)
+            killed_at = time.monotonic()
+            while (left := {p: c for p, c in running(markers).items() if p not in before}) and (
+                time.monotonic() - killed_at < 30
+            ):
+                time.sleep(0.2)
+            assert not left, f"left running 30 s after the flow's process was SIGKILLed: {left}"
+            print(f"after the SIGKILL everything was gone in {time.monotonic() - killed_at:.1f} s")
+        finally:
+            if proc.poll() is None:
+                proc.kill()
