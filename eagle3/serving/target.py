@@ -47,7 +47,7 @@ class Serving:
     """The flow's handle on the server (never a task parameter): the target and what happened to it."""
 
     target: Target
-    server: object | None = None  # the ManagedServer in managed mode
+    server: object | None = None  # the ManagedServer in managed mode; cluster.serve.Replicas with replicas > 1
     events: Path | None = None  # generations/replica-events.jsonl (EndpointPool writes it)
     stage: str = "generate"  # the stage using the server, for messages
     started_at: float = field(default_factory=time.time)
@@ -58,7 +58,7 @@ class Serving:
 
     @property
     def lost(self) -> Exception | None:
-        """The managed server exited with no restart left (server.max_restarts)."""
+        """The managed server exited with no restart left (server.max_restarts); with replicas, every one."""
         return self.server.lost if self.server is not None else None
 
     def manifest_fields(self) -> dict:
@@ -67,6 +67,8 @@ class Serving:
             fields["replicas_down_at_start"] = dict(self.target.down_at_start)
         if self.server is not None:
             fields |= {"server_restarts": self.restarts, "server_restart_events": self.server.restart_events}
+        if hasattr(self.server, "replica_fields"):  # server.replicas > 1: each replica's URL, node, fate
+            fields |= self.server.replica_fields()
         return fields
 
     def benches(self) -> dict[str, int]:
@@ -121,36 +123,70 @@ def outage_allowance_s(config: PipelineConfig) -> float:
 LOST_POLL_S = 1.0
 
 
+def managed_server(
+    config: PipelineConfig,
+    model_path: str,
+    name: str,
+    *,
+    host: str,
+    log_path: Path,
+    logger,
+    env: dict[str, str] | None = None,
+    api_key: str | None = None,
+):
+    """The ManagedServer ``config.server`` describes, serving ``model_path`` as ``name`` on ``host``: the
+    one server of managed mode, and each replica's on the cluster (eagle3/cluster/serve.py).
+    ``env``: the environment to add to server.env's (a replica's CPU binding); ``api_key``: a key
+    shared by the replicas (default: the server generates its own)."""
+    from eagle3.models import vllm_args, vllm_launcher
+    from eagle3.serving.managed import ManagedServer
+
+    server = config.server
+    return ManagedServer(
+        command=vllm_launcher(server),
+        model=model_path,
+        served_model_name=name,
+        host=host,
+        extra_args=vllm_args(server, model_path),
+        env={**server.env, **(env or {})},
+        log_path=log_path,
+        startup_timeout_s=server.startup_timeout_s,
+        stop_grace_s=server.stop_grace_s,
+        logger=logger,
+        api_key=api_key,
+    )
+
+
 @contextlib.asynccontextmanager
 async def _managed(config: PipelineConfig, logger, folder: str) -> AsyncIterator[Serving]:
-    from eagle3.models import resolve_model, served_name, template_hash, vllm_args, vllm_launcher
-    from eagle3.serving.managed import ManagedServer
+    from eagle3.models import resolve_model, served_name, template_hash
 
     server = config.server
     model_path = await asyncio.to_thread(resolve_model, server.model)
     # vLLM loads the resolved folder (no hub access at start-up, the same bytes every stage
     # reads); requests and records use served_name's id (see eagle3/models.py).
     name = served_name(server.model, model_path, server.served_model_name)
-    managed = ManagedServer(
-        command=vllm_launcher(server),
-        model=model_path,
-        served_model_name=name,
-        host=server.host,
-        extra_args=vllm_args(server, model_path),
-        env=dict(server.env),
-        log_path=RunLayout.of(config).server_log(folder),
-        startup_timeout_s=server.startup_timeout_s,
-        stop_grace_s=server.stop_grace_s,
-        logger=logger,
-    )
+    log_path = RunLayout.of(config).server_log(folder)
+    if server.replicas > 1:
+        # Ray actors on the cluster, each running managed_server's server on its node and
+        # supervising it (eagle3/cluster/serve.py); requests spread over them as in external mode.
+        from eagle3.cluster.serve import Replicas
+
+        managed = Replicas(config, name, log_path, logger)
+    else:
+        managed = managed_server(config, model_path, name, host=server.host, log_path=log_path, logger=logger)
     try:
         await asyncio.to_thread(managed.start)
-        managed.supervise(server.max_restarts)
+        if server.replicas > 1:
+            urls = managed.urls
+        else:
+            managed.supervise(server.max_restarts)
+            urls = (managed.base_url,)
         os.environ[MANAGED_KEY_ENV] = managed.api_key
         # The caller reads Serving.lost: a server gone for good (past server.max_restarts) is
         # reported after the stage's accounting is written, not instead of it.
         yield Serving(
-            Target((managed.base_url,), MANAGED_KEY_ENV, name, template_hash(model_path)),
+            Target(urls, MANAGED_KEY_ENV, name, template_hash(model_path)),
             managed,
             events=replica_events(config, folder),
             stage=STAGE_OF_FOLDER.get(folder, folder),
