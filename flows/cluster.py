@@ -1,10 +1,11 @@
 """Shard tasks on the Ray cluster that ``[cluster]`` names, through prefect-ray's task runner.
 
-A stage placed on the cluster runs its shard tasks in a nested flow, ``eagle3-<stage>-on-ray``,
-whose task runner is prefect-ray's ``RayTaskRunner``: each task is a Ray task asking for the
-stage's resources (``cluster.<stage>_cpus`` / ``_gpus``) and runs the same Prefect task as on one
-machine, so its logs, retries, markers and accounting are unchanged and it shows in the UI as
-today. Ray reruns a task whose worker or node died (``cluster.task_max_retries``); the shard's
+A stage placed on the cluster hands its shard tasks to prefect-ray's ``RayTaskRunner`` inside the
+stage's own flow run (not a nested flow: a subflow costs a second of Prefect's bookkeeping per
+stage, measured in benchmarks/README.md): each task is a Ray task asking for the stage's
+resources (``cluster.<stage>_cpus`` / ``_gpus``) and runs the same Prefect task as on one machine,
+so its logs, retries, markers and accounting are unchanged and it shows in the UI under the stage's
+flow run as today. Ray reruns a task whose worker or node died (``cluster.task_max_retries``); the shard's
 disk markers make the rerun redo only what that shard had not finished. Every shard is waited for
 before the first failure is raised, so the shards that could finish are on disk for the resume.
 
@@ -16,8 +17,9 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from prefect import flow, get_run_logger
+from prefect import get_run_logger
 from prefect.tasks import Task
+from prefect.utilities.callables import get_call_parameters
 
 from eagle3.config import PipelineConfig
 from eagle3.errors import TransientError
@@ -76,6 +78,10 @@ def _collect(calls: Sequence[tuple[Task, tuple]], futures: list, retries: int) -
     return outcomes
 
 
+def _submit(runner, calls: Sequence[tuple[Task, tuple]]) -> list:
+    return [runner.submit(task, get_call_parameters(task.fn, args, {})) for task, args in calls]
+
+
 def run_shards(
     config: PipelineConfig,
     stage: str,
@@ -84,33 +90,25 @@ def run_shards(
     gpus: float = 0.0,
 ) -> list:
     """Run ``task(*args)`` for each ``(task, args)`` on the cluster (name each task with
-    ``with_options(name=...)``); results in call order, the first failure raised once all ended."""
+    ``with_options(name=...)``); results in call order, the first failure raised once all ended.
+    Called inside the stage's flow."""
     from prefect_ray.context import remote_options
 
     ray, runner = _runner(config, stage, cpus, gpus)
-
-    @flow(
-        name=f"eagle3-{stage}-on-ray",
-        description=f"The {stage} shard tasks placed on the Ray cluster at {config.cluster.address}.",
-        task_runner=runner,
-    )
-    def on_ray() -> list:
-        _announce(ray, config, stage, len(calls), cpus, gpus)
-        with remote_options(**_options(config, cpus, gpus)):
-            futures = [task.submit(*args) for task, args in calls]
+    _announce(ray, config, stage, len(calls), cpus, gpus)
+    with runner, remote_options(**_options(config, cpus, gpus)):
+        futures = _submit(runner, calls)
         for done, future in enumerate(futures):
             report(stage, "on the cluster", done, len(futures), unit="shards")
             future.wait()
-        report(stage, "on the cluster", len(futures), len(futures), unit="shards")
-        outcomes = _collect(calls, futures, config.cluster.task_max_retries)
-        failed = [o for o in outcomes if isinstance(o, BaseException)]
-        for error in failed[1:]:
-            get_run_logger().error("%s", error)
-        if failed:
-            raise failed[0]
-        return outcomes
-
-    return on_ray()
+    report(stage, "on the cluster", len(futures), len(futures), unit="shards")
+    outcomes = _collect(calls, futures, config.cluster.task_max_retries)
+    failed = [o for o in outcomes if isinstance(o, BaseException)]
+    for error in failed[1:]:
+        get_run_logger().error("%s", error)
+    if failed:
+        raise failed[0]
+    return outcomes
 
 
 async def run_shards_async(
@@ -129,25 +127,17 @@ async def run_shards_async(
     from prefect_ray.context import remote_options
 
     ray, runner = _runner(config, stage, cpus, 0.0)
-
-    @flow(
-        name=f"eagle3-{stage}-on-ray",
-        description=f"The {stage} shard tasks placed on the Ray cluster at {config.cluster.address}.",
-        task_runner=runner,
-    )
-    async def on_ray() -> list:
-        _announce(ray, config, stage, len(calls), cpus, 0.0)
+    _announce(ray, config, stage, len(calls), cpus, 0.0)
+    with runner:
         with remote_options(**_options(config, cpus, 0.0, env)):
-            futures = [task.submit(*args) for task, args in calls]
+            futures = _submit(runner, calls)
         try:
             await asyncio.gather(*(asyncio.to_thread(f.wait) for f in futures))
         except asyncio.CancelledError:  # the flow gave up (its server is gone for good): so do the tasks
             for future in futures:
                 ray.cancel(future.wrapped_future, force=True)
             raise
-        return await asyncio.to_thread(_collect, calls, futures, config.cluster.task_max_retries)
-
-    return await on_ray()
+    return await asyncio.to_thread(_collect, calls, futures, config.cluster.task_max_retries)
 
 
 def _named(name: str, exc: Exception, retries: int) -> BaseException:

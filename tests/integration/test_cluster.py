@@ -163,10 +163,11 @@ def test_generation_shards_on_the_cluster_keep_their_retries_and_key(
     import asyncio
 
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter
 
     from fake_openai import FakeConfig, FaultRule, run_fake_server
     from flows.generate import generate_flow
-    from test_flows import children_of, external, task_runs_of
+    from test_flows import external, task_runs_of
 
     # The key reaches the tasks on the cluster (the fake server refuses requests without it), and
     # Prefect's shard retry works there as on one machine: "please retry me" fails 3 times, its
@@ -182,10 +183,13 @@ def test_generation_shards_on_the_cluster_keep_their_retries_and_key(
         attempts = fake.stats()["attempts"]
     assert attempts["please retry me"] == 4
     assert all(n == 1 for p, n in attempts.items() if p != "please retry me"), "finished prompts are never resent"
+    flow_run_id = state.state_details.flow_run_id
     with get_client(sync_client=True) as client:
-        on_ray = children_of(client, state.state_details.flow_run_id)["eagle3-generate-on-ray"]
-        runs = {t.name.rsplit("-", 1)[0]: t.run_count for t in task_runs_of(client, on_ray.id)}
-    assert sorted(runs) == ["generate-shard-00000", "generate-shard-00001"], runs
+        runs = {t.name.rsplit("-", 1)[0]: t.run_count for t in task_runs_of(client, flow_run_id)}
+        logs = [entry.message for entry in client.read_logs(LogFilter(flow_run_id={"any_": [flow_run_id]}))]
+    assert any("generate: 2 shard task(s) on the Ray cluster at " + cluster.address in m for m in logs), logs
+    assert sorted(r for r in runs if r.startswith("generate-shard")) == ["generate-shard-00000", "generate-shard-00001"]
+    runs = {r: n for r, n in runs.items() if r.startswith("generate-shard")}
     assert sorted(runs.values()) == [1, 2], runs
     manifest = json.loads((Path(config.run_dir) / "manifest.json").read_text())["stages"]["generate"]
     assert (manifest["in"], manifest["ok"], manifest["failed"]) == (20, 20, 0)
