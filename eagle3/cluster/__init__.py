@@ -6,7 +6,7 @@ and training (``eagle3.cluster.train``) and the target's replicas (``eagle3.clus
 actors this package starts and stops.
 
 Nothing imports Ray unless a cluster address is set: every function that needs it imports it
-inside, and ``tests/unit/test_cluster.py`` checks that a whole run without an address leaves
+inside, and ``tests/unit/test_cluster_config.py`` checks that a whole run without an address leaves
 ``ray`` out of ``sys.modules``.
 """
 

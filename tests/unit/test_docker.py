@@ -130,7 +130,7 @@ def test_the_ray_commands_exist_in_the_images_environment():
     ray = distribution("ray")
     assert ray.version == pinned.group(1)
     assert any(ep.name == "ray" and ep.group == "console_scripts" for ep in ray.entry_points)
-    # In a child process: this test process must not import ray (tests/unit/test_cluster.py checks that).
+    # In a child process: this test process must not import ray (tests/unit/test_cluster_config.py checks that).
     out = subprocess.run(
         [
             sys.executable,
