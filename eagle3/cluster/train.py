@@ -193,14 +193,17 @@ def run_on_cluster(config: PipelineConfig, request: Path, log, on_line, threads:
         )
 
     def get(ref, node: int, what: str, wait_s: float):
+        left = deadline - time.monotonic()
         try:
-            return ray.get(ref, timeout=max(0.1, min(wait_s, deadline - time.monotonic())))
+            return ray.get(ref, timeout=max(0.1, min(wait_s, left)))
         except RayActorError as exc:
             lost = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             why = f"its actor died while {what} (its Ray node or worker process was lost: {lost})"
             raise failed(node, why) from None
         except GetTimeoutError:
-            if time.monotonic() >= deadline:
+            # The wait was cut to the job's deadline: that deadline is what ran out (ray.get may give
+            # up a hair before it, so the clock alone would misname the cause).
+            if left <= wait_s or time.monotonic() >= deadline:
                 raise failed(None, f"ran past train.timeout_s={config.train.timeout_s:g} s") from None
             raise failed(node, f"its actor did not answer within {wait_s:g} s while {what}") from None
 
