@@ -139,7 +139,9 @@ def test_a_job_past_its_deadline_stops_every_node(tmp_path, cluster):
     from eagle3.train.stage import TrainFailed, run_train
 
     config, names = on_cluster(tmp_path, cluster)
-    config = config.model_copy(update={"train": config.train.model_copy(update={"timeout_s": 6.0})})
+    # A job that cannot end in 6 s however fast the machine (the tiny run alone can: seen in CI).
+    long_job = {"timeout_s": 6.0, "epochs": 1000, "max_steps": None}
+    config = config.model_copy(update={"train": config.train.model_copy(update=long_job)})
     request = Path(config.run_dir) / "train" / "request.json"
     with pytest.raises(TrainFailed, match=r"ran past train.timeout_s=6 s; every node was stopped"):
         run_train(config, names)
