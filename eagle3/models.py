@@ -211,9 +211,15 @@ def vllm_launcher(server) -> list[str]:
     )
 
 
+# vLLM's switch for uvicorn's per-request access log (server.access_log = false, the default).
+ACCESS_LOG_FLAG = "--disable-uvicorn-access-log"
+
+
 def vllm_args(server, model_path: str) -> list[str]:
     """``server.args`` plus the model-dependent flags the config leaves to the model itself."""
     args = list(server.args)
+    if not server.access_log and not any(a.startswith(ACCESS_LOG_FLAG) for a in args):
+        args.append(ACCESS_LOG_FLAG)
     if not any(a == "--reasoning-parser" or a.startswith("--reasoning-parser=") for a in args):
         parser = reasoning_parser(server.reasoning_parser, model_path)
         if parser:

@@ -60,6 +60,16 @@ class ServerConfig(_Strict):
             "flags (--enforce-eager on CPU, a max length the KV cache can hold) belong to the recipe."
         ),
     )
+    access_log: bool = Field(
+        False,
+        description=(
+            "Keep the vLLM server's per-request access log (uvicorn's \"POST /v1/chat/completions 200\" line "
+            "for every request, in the server log and the terminal). Default off: at any real concurrency it "
+            "floods the log (350 lines in one demo run) and buries the start-up and error lines that matter; the "
+            "pipeline counts every request itself. On: vLLM's default, e.g. to see which replica served what. "
+            "Off adds --disable-uvicorn-access-log to the server's arguments (if server.args lacks it)."
+        ),
+    )
     reasoning_parser: str | None = Field(
         "auto",
         description=(

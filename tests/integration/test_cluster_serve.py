@@ -93,6 +93,7 @@ def test_two_replicas_on_the_cluster_serve_restart_and_leave_nothing(demo_config
             PROMPTS,
             "server.replicas=2",
             "server.max_restarts=1",
+            "server.access_log=true",  # served() counts requests from the access log, off by default
             f'cluster.address="{cluster.address}"',
             "cluster.server_gpus=0",
         )

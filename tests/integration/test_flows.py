@@ -122,6 +122,7 @@ def test_pipeline_flow_generates_with_real_vllm(prefect_server, demo_config, mon
     )
     log = (run / "generations" / "server.log").read_text()
     assert "Application startup complete" in log or "Uvicorn running" in log or "Started server process" in log
+    assert "POST /v1/chat/completions" not in log, "the access log is off by default (server.access_log)"
 
     with get_client(sync_client=True) as client:
         parent = client.read_flow_run(state.state_details.flow_run_id)

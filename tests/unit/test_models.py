@@ -399,3 +399,19 @@ async def test_the_managed_server_loads_the_snapshot_under_the_hub_id(offline_ca
         assert argv[argv.index("--model") + 1] == str(offline_cache["plain"])
         assert argv[argv.index("--served-model-name") + 1] == "acme/tiny-qwen3"
         assert (serving.target.model, serving.target.template_hash) == expected_target(config)
+
+
+@pytest.mark.parametrize(
+    ("sets", "expected"),
+    [
+        ([], 1),  # off by default: the flag is added
+        (["server.access_log=true"], 0),  # the knob keeps vLLM's access log
+        (['server.args=["--disable-uvicorn-access-log"]'], 1),  # already there: not added twice
+    ],
+)
+def test_the_access_log_is_off_by_default_and_on_with_the_knob(sets, expected):
+    from eagle3.models import vllm_args
+
+    config = load_config(None, ['server.reasoning_parser=""', *sets])
+    args = vllm_args(config.server, "acme/any")
+    assert args.count("--disable-uvicorn-access-log") == expected, args
