@@ -1,6 +1,6 @@
 """fp8 hidden states against bf16 on the real target: disk bytes and the drafter's acceptance.
 
-    .venv/bin/python benchmarks/bench_fp8.py [--base runs/bench-data-single] [--max-steps 120]
+    .venv/bin/python benchmarks/bench_fp8.py [--base runs/bench-data-single] [--max-steps 120] [--live]
 
 Starts from a finished SmolLM2-135M run (its prompts, generations, tokenized shards and draft
 vocabulary; ``benchmarks/bench_training_data.py`` leaves one in runs/bench-data-single) and runs
@@ -9,8 +9,9 @@ the extract and train stages three times on copies of it, with the same settings
 the run-to-run noise of the same settings). Reported: stored bytes, extraction seconds, and the
 held-out offline acceptance length of the trained drafter (the expected accepted tokens of a
 K-token chain on held-out samples, the trainer's own evaluation). ``summary.fp8_acceptance_vs_bf16``
-(target: within 1%, i.e. >= 0.99) next to ``bf16_aa``. Live acceptance in vLLM is not measured
-here (it needs the evaluate stage's ~30 minutes per variant on 2 cores). Results:
+(target: within 1%, i.e. >= 0.99) next to ``bf16_aa``. With ``--live`` each drafter is also exported and
+measured in vLLM (the trained drafter alone, greedy, 16 prompts of 128 tokens per prompt set, ~4 min a
+variant): ``summary.fp8_live_acceptance_vs_bf16_<set>`` next to ``bf16_live_aa_<set>``. Results:
 benchmarks/results/fp8.json.
 """
 
@@ -44,7 +45,25 @@ def sets_of(base: Path) -> list[str]:
     raise SystemExit(f"{base}: no results file records the settings it was made with")
 
 
-def variant(base: Path, name: str, sets: list[str]) -> dict:
+# The live check: the trained drafter alone, greedy, one visit per prompt set (acceptance, not speed, is
+# compared, and vLLM's greedy verification makes it deterministic per drafter), 16 prompts x 128 tokens a set.
+LIVE = [
+    'evaluate.methods=["trained"]',
+    "evaluate.temperatures=[0.0]",
+    "evaluate.concurrencies=[1]",
+    "evaluate.rounds=1",
+    "evaluate.compare_untrained=false",
+    "evaluate.num_prompts=16",
+]
+
+
+def live_acceptance(run: Path) -> dict:
+    """Mean live acceptance length per prompt set, read from the evaluate stage's live.json."""
+    doc = json.loads((run / "evaluate" / "live.json").read_text())
+    return {c["prompt_set"]: c["mean_acceptance_length"] for c in doc["cells"] if c["method"] == "trained"}
+
+
+def variant(base: Path, name: str, sets: list[str], live: bool = False) -> dict:
     run = base.parent / f"{base.name}-fp8bench-{name}"
     shutil.rmtree(run, ignore_errors=True)
     run.mkdir(parents=True)
@@ -53,7 +72,10 @@ def variant(base: Path, name: str, sets: list[str]) -> dict:
         (shutil.copytree if src.is_dir() else shutil.copy2)(src, run / item)
     all_sets = [*sets, f'run_dir="{run.relative_to(ROOT)}"']
     seconds = {}
-    for stage in ("extract", "train"):
+    stages = ("extract", "train", "export", "evaluate") if live else ("extract", "train")
+    if live:
+        all_sets += LIVE
+    for stage in stages:
         argv = [str(ROOT / ".venv" / "bin" / "eagle3"), stage, "--config", str(RECIPE), "--progress", "off"]
         for s in all_sets:
             argv += ["--set", s]
@@ -72,6 +94,8 @@ def variant(base: Path, name: str, sets: list[str]) -> dict:
         "best": stages["train"]["best"],
         "final_eval": evals[-1] if evals else None,
     }
+    if live:
+        result["live_acceptance"] = live_acceptance(run)
     shutil.rmtree(run, ignore_errors=True)
     return result
 
@@ -80,6 +104,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", type=Path, default=ROOT / "runs" / "bench-data-single")
     parser.add_argument("--max-steps", type=int, default=120)
+    parser.add_argument(
+        "--live", action="store_true", help="also export and measure each drafter live in vLLM (~4 min a variant)"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "fp8.json")
     args = parser.parse_args()
     base = args.base.resolve()
@@ -89,7 +116,7 @@ def main() -> None:
         "fp8": [*sets, 'extract.storage_dtype="fp8_e4m3"'],
         "bf16_again": [*sets, 'extract.storage_dtype="bfloat16"'],
     }
-    results = {name: variant(base, name, s) for name, s in variants.items()}
+    results = {name: variant(base, name, s, args.live) for name, s in variants.items()}
 
     def acceptance(name: str) -> float:
         return results[name]["final_eval"]["acceptance_length"]
@@ -99,6 +126,11 @@ def main() -> None:
         "bf16_aa": round(acceptance("bf16_again") / acceptance("bf16"), 4),
         "fp8_bytes_vs_bf16": round(results["fp8"]["bytes"] / results["bf16"]["bytes"], 4),
     }
+    if args.live:
+        for prompt_set in results["bf16"]["live_acceptance"]:
+            live = {name: r["live_acceptance"][prompt_set] for name, r in results.items()}
+            summary[f"fp8_live_acceptance_vs_bf16_{prompt_set}"] = round(live["fp8"] / live["bf16"], 4)
+            summary[f"bf16_live_aa_{prompt_set}"] = round(live["bf16_again"] / live["bf16"], 4)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     import importlib.metadata as md
 
