@@ -19,14 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shutil
 import subprocess
-import sys
 import time
-from datetime import UTC, datetime
 from pathlib import Path
+
+import results_file
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "smollm2-135m-cpu.toml"
@@ -109,6 +107,7 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "fp8.json")
     args = parser.parse_args()
+    started = results_file.provenance()
     base = args.base.resolve()
     sets = [s for s in sets_of(base) if not s.startswith("train.max_steps=")] + [f"train.max_steps={args.max_steps}"]
     variants = {
@@ -131,27 +130,9 @@ def main() -> None:
             live = {name: r["live_acceptance"][prompt_set] for name, r in results.items()}
             summary[f"fp8_live_acceptance_vs_bf16_{prompt_set}"] = round(live["fp8"] / live["bf16"], 4)
             summary[f"bf16_live_aa_{prompt_set}"] = round(live["bf16_again"] / live["bf16"], 4)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    import importlib.metadata as md
-
-    out = {
-        "benchmark": "fp8",
-        "commit": commit,
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": {
-            "cores": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "torch": md.version("torch"),
-        },
-        "command": " ".join([sys.executable, *sys.argv]),
-        "base": str(base.relative_to(ROOT)),
-        "sets": sets,
-        "summary": summary,
-        "variants": results,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    results_file.write(
+        args.out, "fp8", summary, started=started, base=str(base.relative_to(ROOT)), sets=sets, variants=results
+    )
     for name, r in results.items():
         print(
             f"{name:<11} {r['bytes'] / 2**20:>8.1f} MiB  extract {r['seconds']['extract']:>6.1f} s  train "

@@ -125,10 +125,13 @@ def check_summary(summary: dict, where: str = "summary") -> None:
             raise ValueError(f"{where}.{key}: {value!r} is not a number")
 
 
-def write(path: Path | str, benchmark: str, summary: dict, **payload) -> dict:
-    """Write ``{benchmark, provenance..., summary, **payload}`` to ``path`` atomically; return it."""
+def write(path: Path | str, benchmark: str, summary: dict, *, started: dict | None = None, **payload) -> dict:
+    """Write ``{benchmark, provenance..., summary, **payload}`` to ``path`` atomically; return it.
+
+    ``started``: the ``provenance()`` taken when the run began; a long benchmark passes it so the file names
+    the code that ran, not whatever HEAD is when it ends (default: taken now)."""
     check_summary(summary, f"{benchmark}.summary")
-    data = {"benchmark": benchmark, **provenance(), "summary": summary, **payload}
+    data = {"benchmark": benchmark, **(started or provenance()), "summary": summary, **payload}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
