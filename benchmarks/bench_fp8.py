@@ -18,16 +18,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shutil
 import subprocess
 import sys
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "benchmarks")]
+
+import results_file  # noqa: E402
+
 RECIPE = ROOT / "recipes" / "smollm2-135m-cpu.toml"
 KEEP = ("prompts", "generations", "tokenized", "vocab", "manifest.json")  # what the copies start from
 
@@ -99,27 +100,7 @@ def main() -> None:
         "bf16_aa": round(acceptance("bf16_again") / acceptance("bf16"), 4),
         "fp8_bytes_vs_bf16": round(results["fp8"]["bytes"] / results["bf16"]["bytes"], 4),
     }
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    import importlib.metadata as md
-
-    out = {
-        "benchmark": "fp8",
-        "commit": commit,
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": {
-            "cores": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "torch": md.version("torch"),
-        },
-        "command": " ".join([sys.executable, *sys.argv]),
-        "base": str(base.relative_to(ROOT)),
-        "sets": sets,
-        "summary": summary,
-        "variants": results,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    results_file.write(args.out, "fp8", summary, base=str(base.relative_to(ROOT)), sets=sets, variants=results)
     for name, r in results.items():
         print(
             f"{name:<11} {r['bytes'] / 2**20:>8.1f} MiB  extract {r['seconds']['extract']:>6.1f} s  train "
