@@ -121,35 +121,36 @@ def provenance(data: dict) -> tuple[str, str]:
 def summary_table(results: dict[str, dict]) -> str:
     """One row per headline figure; benchmark, A/A noise, commit and date on its first row. A file
     named after another benchmark's run (training_data_single.json: a real_target run) is a part
-    of that benchmark and has no row of its own."""
+    of that benchmark and has no row of its own; a benchmark of TARGETS without a file gets a row
+    saying so."""
     names = [n for n in results if results[n].get("benchmark", n) == n] + [n for n in ORDER if n not in results]
     names.sort(key=lambda n: (ORDER.index(n) if n in ORDER else len(ORDER), n))
     rows = []
     for name in names:
-        if name not in results:
+        if name in results:
+            rows += benchmark_rows(name, results[name])
+        else:
             rows.append([f"`{name}`", f"no `results/{name}.json` yet"] + ["-"] * 6)
-            continue
-        data = results[name]
-        summary = data.get("summary") if isinstance(data.get("summary"), dict) else {}
-        commit, date = provenance(data)
-        noise = ", ".join(f"`{k}` {num(v)}" for k, v in summary.items() if is_aa(k)) or "-"
-        figures = headline_keys(name, summary) or [(None, None)]
-        for i, (key, target) in enumerate(figures):
-            value = summary.get(key) if key else None
-            met = "-" if target is None or value is None else ("met" if OPS[target[0]](value, target[1]) else "missed")
-            rows.append(
-                [
-                    f"`{name}`" if i == 0 else "",
-                    f"`{key}`" if key else "no summary: rerun",
-                    num(value),
-                    f"{target[0]} {target[1]}" if target else "-",
-                    met,
-                    noise if i == 0 else "",
-                    commit if i == 0 else "",
-                    date if i == 0 else "",
-                ]
-            )
     return table(["benchmark", "figure", "value", "target", "met", "A/A noise", "commit", "date"], rows)
+
+
+def benchmark_rows(name: str, data: dict) -> list[list[str]]:
+    summary = data.get("summary") if isinstance(data.get("summary"), dict) else {}
+    commit, date = provenance(data)
+    noise = ", ".join(f"`{k}` {num(v)}" for k, v in summary.items() if is_aa(k)) or "-"
+    rows = []
+    for key, target in headline_keys(name, summary) or [(None, None)]:
+        value = summary.get(key) if key else None
+        met = "-"
+        if target and isinstance(value, (int, float)):
+            met = "met" if OPS[target[0]](value, target[1]) else "missed"
+        first = not rows
+        rows.append(
+            [f"`{name}`" if first else "", f"`{key}`" if key else "no summary: rerun", num(value)]
+            + [f"{target[0]} {target[1]}" if target else "-", met]
+            + ([noise, commit, date] if first else ["", "", ""])
+        )
+    return rows
 
 
 def real_target_stages(results: dict[str, dict]) -> str:
@@ -183,11 +184,13 @@ def tokenize_sizes(results: dict[str, dict]) -> str:
     for size, m in results["tokenize"]["sizes"].items():
         t, e = m["template_path"], m["server_ids_path"]
         rows.append(
-            [size, "template", t["samples"], t["tokens"] // t["samples"], t["stage_samples_per_s"]]
-            + [t["stage_tokens_per_s"], t["raw_tokens_per_s"], f"**{t['ratio']:.2f}**", num(t["ratio_jinja"], 2)]
+            [size, "template", t["samples"], t["tokens"] // t["samples"], num(t["stage_samples_per_s"], 0)]
+            + [num(t["stage_tokens_per_s"], 0), num(t["raw_tokens_per_s"], 0), f"**{t['ratio']:.2f}**"]
+            + [num(t["ratio_jinja"], 2)]
             + [num(t.get("stage_aa"), 2)]
         )
-        rows.append([size, "server ids", e["rows"], e["tokens"] // e["rows"], e["rows_per_s"], e["tokens_per_s"]])
+        rows.append([size, "server ids", e["rows"], e["tokens"] // e["rows"], num(e["rows_per_s"], 0)])
+        rows[-1] += [num(e["tokens_per_s"], 0)]
         rows[-1] += ["-"] * 4
     head = ["samples", "path", "rows", "mean tokens", "stage samples/s", "stage tokens/s", "raw encode tokens/s"]
     return table(head + ["stage / raw", "stage / raw, all rows by jinja", "stage A/A"], rows)
@@ -244,6 +247,58 @@ def load_run(results: dict[str, dict]) -> str:
     return table(head + ["duplicated", "client RSS at 20% / peak after / end", "peak / at 20%", "wall / ideal"], rows)
 
 
+def training_data_variants(results: dict[str, dict]) -> str:
+    """The two runs side by side; stage times and trained tokens from each run's own results file
+    (training_data_<variant>.json, a bench_real_target run) where it is there."""
+    variants = results["training_data"]["variants"]
+    runs = {name: results.get(f"training_data_{name}", {}) for name in variants}
+    first = next(iter(variants.values()))
+
+    def row(label: str, cell: Callable[[str, dict], str]) -> list[str]:
+        return [label] + [cell(name, v) for name, v in variants.items()]
+
+    def samples(name: str, v: dict) -> str:
+        parts = v["data"].get("variants") or {}
+        return f"{v['data']['samples']:,}" + (f" ({', '.join(f'{n:,} at {k}' for k, n in parts.items())})")
+
+    def passes(name: str, v: dict) -> str:
+        trained = (runs[name].get("offline") or {}).get("train_tokens")
+        return f"{trained / v['data']['tokens']:.1f}" if trained and v["data"].get("tokens") else "-"
+
+    def walls(name: str, v: dict) -> str:
+        stages = runs[name].get("stages") or {}
+        return " / ".join(
+            num((stages.get(s) or {}).get("wall_s"), 0) for s in ("generate", "extract", "train", "evaluate")
+        )
+
+    def live(t: str) -> Callable[[str, dict], str]:
+        def cell(name: str, v: dict) -> str:
+            ratio = v[t]["acceptance_length_trained"] / first[t]["acceptance_length_trained"]
+            mine = f"**{num(v[t]['acceptance_length_trained'])}**"
+            return (
+                mine
+                + (f" ({ratio:.2f}x)" if v is not first else "")
+                + f"; n-gram {num(v[t]['acceptance_length_ngram'], 2)}"
+            )
+
+        return cell
+
+    rows = [
+        row("samples (generate ok)", samples),
+        row(
+            "conversations with every earlier answer supervised",
+            lambda n, v: num((v["data"].get("history_check") or {}).get("history_supervised")),
+        ),
+        row("tokens / supervised", lambda n, v: f"{v['data']['tokens']:,} / {v['data']['supervised_tokens']:,}"),
+        row("optimizer steps; passes over the data", lambda n, v: f"{v['train_steps']}; {passes(n, v)}"),
+        row("stage wall s: generate / extract / train / evaluate", walls),
+        row("offline held-out τ (training's estimate)", lambda n, v: num(v["offline_held_out_acceptance"])),
+        row("live τ, T = 0", live("t0")),
+        row("live τ, T = 0.7", live("t0.7")),
+    ]
+    return table([""] + list(variants), rows)
+
+
 SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "summary": ("", summary_table),
     "real_target_stages": ("real_target", real_target_stages),
@@ -252,6 +307,7 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "load": ("load", load_run),
     "cluster": ("cluster", cluster_stages),
     "cluster_train": ("cluster_train", cluster_train_runs),
+    "training_data": ("training_data", training_data_variants),
 }
 
 
