@@ -11,7 +11,7 @@ export DO_NOT_TRACK ?= 1
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 90
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: demo demo-real real-target test lint test-speculators venv venv-vllm venv-speculators clean-venvs ui ui-stop
+.PHONY: demo demo-real real-target test lint test-speculators venv venv-vllm venv-speculators clean-venvs ui ui-stop bench
 
 venv:
 	@scripts/ensure_venv.sh pipeline
@@ -47,6 +47,21 @@ lint: venv
 	@$(VENV)/bin/ruff check .
 	@$(VENV)/bin/ruff format --check .
 	@$(VENV)/bin/python scripts/check_doc_links.py
+
+## make bench: the short benchmarks one after another (a few minutes each, nothing else should run on the
+## machine meanwhile), then benchmarks/README.md's tables regenerated from benchmarks/results/*.json.
+## `make bench LONG=1` adds the long ones after them: load (~11 min), real_target (~1 h), training_data
+## (~45 min; it leaves the run fp8 starts from) and fp8 (~20 min). Each prints its wall time. real_target
+## and training_data resume a finished run (runs/smollm2-135m, runs/bench-data-*) in seconds: move those
+## away first for fresh stage times.
+BENCH_SHORT := tokenize train generation extract cluster cluster_train
+BENCH_LONG := load real_target training_data fp8
+bench: venv $(if $(LONG),venv-vllm real-target)
+	@set -e; for b in $(BENCH_SHORT) $(if $(LONG),$(BENCH_LONG)); do \
+		echo "== benchmarks/bench_$$b.py"; \
+		time $(VENV)/bin/python benchmarks/bench_$$b.py; \
+	done
+	@$(VENV)/bin/python benchmarks/table.py
 
 ## make test-speculators: our speculators export loaded by vllm-project/speculators itself. Optional,
 ## not part of `make test`: it builds its own .venv-speculators (CPU torch, ~2 GB, a few minutes once).

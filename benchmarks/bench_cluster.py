@@ -14,27 +14,27 @@ timed apart (``cold``: Ray starts and imports a worker process, which loads the 
 the target), the rounds after it measure the steady state. ``summary.<stage>_ray_vs_local`` =
 local seconds / Ray seconds per round, median over rounds (target >= 0.9); each way runs twice
 per round, and the ratio of those two runs (``*_aa``) is the noise next to it. Results:
-benchmarks/results/cluster.json and a table on stdout.
+benchmarks/results/cluster.json (through benchmarks/results_file.py) and a table on stdout.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata as md
 import json
 import os
-import platform
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
+
+import results_file  # noqa: E402
 
 WORDS = "the drafter learns to guess what the target model writes next from its hidden states".split()
 
@@ -136,22 +136,6 @@ def counts(base: Path, stage: str) -> int:
     )
 
 
-def machine() -> dict:
-    import importlib.metadata as md
-
-    mem = next((int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemTotal")), None)
-    return {
-        "cores": os.cpu_count(),
-        "memory_bytes": mem,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": md.version("torch"),
-        "ray": md.version("ray"),
-        "prefect": md.version("prefect"),
-        "prefect_ray": md.version("prefect-ray"),
-    }
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokenize-rows", type=int, default=100_000)
@@ -202,40 +186,35 @@ def main() -> None:
         summary[f"{stage}_local_aa"] = ratio(stage, "local", "local_again")
         summary[f"{stage}_ray_aa"] = ratio(stage, "ray", "ray_again")
         summary[f"{stage}_cold_extra_s"] = round(cold[stage] - statistics.median(seconds[stage]["ray"]), 2)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     unit = {"tokenize": "rows", "extract": "tokens"}
-    result = {
-        "benchmark": "cluster",
-        "commit": commit,
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": machine(),
-        "command": " ".join([sys.executable, *sys.argv]),
-        "inputs": {
+    result = results_file.write(
+        args.out,
+        "cluster",
+        summary,
+        versions={name: md.version(name) for name in ("ray", "prefect", "prefect-ray")},
+        inputs={
             "tokenize_rows": units["tokenize"],
             "extract_tokens": units["extract"],
             "extract_rows": args.extract_rows,
             "shards": args.shards,
             "rounds": args.rounds,
         },
-        "summary": summary,
-        "median_seconds": {
+        median_seconds={
             stage: {
                 **{way: round(statistics.median(v), 2) for way, v in seconds[stage].items()},
                 "ray_cold": round(cold[stage], 2),
             }
             for stage in stages
         },
-        "throughput": {
+        throughput={
             stage: {
                 f"{way}_{unit[stage]}_per_s": round(units[stage] / statistics.median(v), 1)
                 for way, v in seconds[stage].items()
             }
             for stage in stages
         },
-        "seconds": seconds,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+        seconds=seconds,
+    )
     for stage in stages:
         print(f"{stage}: {units[stage]} {unit[stage]} in {args.shards} shards, {args.rounds} rounds")
         for way, v in result["median_seconds"][stage].items():

@@ -10,15 +10,17 @@ Both train the tiny Qwen3 target's real extracted states (bench_train.make_run);
 evaluation are off during the run, each run starts from scratch, the two alternate and the best of
 each is kept. Reported: the trainer's tokens/s (result.json: the training loop) and the stage's wall
 time (run_train from request to result: placement, actors, torchrun start-up, teardown).
-Results: benchmarks/results/cluster_train.json and a table on stdout.
+``summary.cluster_vs_local`` is the best cluster run's training tokens/s over the best local run's;
+the repeats are the A/A pairs: ``local_aa`` / ``cluster_aa`` are the second run's tokens/s over the
+first's of the same way (--repeats is at least 2 for that reason).
+Results: benchmarks/results/cluster_train.json (through benchmarks/results_file.py) and a table on
+stdout.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -30,6 +32,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 from bench_train import make_run  # noqa: E402
 from ray_cluster import LocalCluster  # noqa: E402
+
+import results_file  # noqa: E402
 
 
 def timed(config, names) -> dict:
@@ -60,6 +64,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cluster_train.json"))
     args = parser.parse_args()
+    if args.repeats < 2:
+        parser.error("--repeats must be at least 2: the first two runs of each way are its A/A pair")
     work = Path(tempfile.mkdtemp(prefix="eagle3-bench-cluster-train-"))
     local, names = make_run(work, args.samples, args.ttt, args.epochs, "train.nproc_per_node=2")
     with LocalCluster(work / "ray-logs", nodes=2, cpus=1) as cluster:
@@ -83,29 +89,31 @@ def main() -> None:
     best = {k: min(v, key=lambda r: r["train_s"]) for k, v in runs.items()}
     a, b = best["local"], best["cluster"]
     assert a["tokens"] == b["tokens"] and a["world_size"] == b["world_size"] == 2, (a, b)
-    out = {
-        "commit": subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True
-        ).stdout.strip(),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "samples": args.samples,
-        "ttt_steps": args.ttt,
-        "epochs": args.epochs,
-        "repeats": args.repeats,
-        "tokens": a["tokens"],
-        "local_2proc_tokens_per_s": a["tokens"] / a["train_s"],
-        "cluster_2nodes_tokens_per_s": b["tokens"] / b["train_s"],
-        "ratio": (b["tokens"] / b["train_s"]) / (a["tokens"] / a["train_s"]),
-        "local_wall_s": a["wall_s"],
-        "cluster_wall_s": b["wall_s"],
-        "last_loss_local": a["last_loss"],
-        "last_loss_cluster": b["last_loss"],
-        "runs": runs,
+    rate = {k: [r["tokens"] / r["train_s"] for r in v] for k, v in runs.items()}
+    summary = {
+        "cluster_vs_local": round((b["tokens"] / b["train_s"]) / (a["tokens"] / a["train_s"]), 4),
+        "local_aa": results_file.aa(rate["local"][0], rate["local"][1]),
+        "cluster_aa": results_file.aa(rate["cluster"][0], rate["cluster"][1]),
+        "cluster_extra_wall_s": round(b["wall_s"] - a["wall_s"], 1),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    out = results_file.write(
+        args.out,
+        "cluster_train",
+        summary,
+        samples=args.samples,
+        ttt_steps=args.ttt,
+        epochs=args.epochs,
+        repeats=args.repeats,
+        tokens=a["tokens"],
+        local_2proc_tokens_per_s=a["tokens"] / a["train_s"],
+        cluster_2nodes_tokens_per_s=b["tokens"] / b["train_s"],
+        ratio=summary["cluster_vs_local"],
+        local_wall_s=a["wall_s"],
+        cluster_wall_s=b["wall_s"],
+        last_loss_local=a["last_loss"],
+        last_loss_cluster=b["last_loss"],
+        runs=runs,
+    )
     print("| run | training tokens/s | stage wall s | last loss |")
     print("|---|---|---|---|")
     print(

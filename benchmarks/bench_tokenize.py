@@ -14,10 +14,13 @@
   (what a template without such a renderer pays: ``stage_jinja_*``).
 - Server-ids path (records with token ids): rows/s of the whole stage, with the template check on
   its sample of rows.
-The runs alternate (stage, baseline, stage with jinja) --repeats times in one process, so drift in
-a shared machine's speed hits all alike; times are medians, ``ratio`` is the median of the
-per-round ratios, and ``*_cpu_s`` (process CPU seconds, all threads) shows the work apart from
-the wall clock. Results: benchmarks/results/tokenize.json and a table on stdout.
+The runs alternate (stage, baseline, stage with jinja, stage again) --repeats times in one process,
+so drift in a shared machine's speed hits all alike; times are medians, ``ratio`` is the median of
+the per-round ratios, and ``*_cpu_s`` (process CPU seconds, all threads) shows the work apart from
+the wall clock. The second stage run of each round is the A/A pair: ``summary.stage_aa_<size>`` is
+the median per-round ratio of the two identical stage runs, the noise ``stage_vs_raw_<size>`` must
+clear. Results: benchmarks/results/tokenize.json (through benchmarks/results_file.py) and a table
+on stdout.
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT)]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
+import results_file  # noqa: E402
 from eagle3.config import DEMO_RECIPE, load_config  # noqa: E402
 from eagle3.generate.records import JsonlAppender  # noqa: E402
 from eagle3.prepare.stage import run_prepare  # noqa: E402
@@ -130,7 +134,7 @@ def measure(work: Path, n: int, size: str, repeats: int) -> dict:
     by_id = {r["id"]: r for r in rows}
     texts = tok.apply_chat_template([conversation(by_id[r["id"]]["messages"], r) for r in records], tokenize=False)
     # Alternate so that drift in this shared machine's speed hits all alike; medians of each.
-    runs: dict[str, list] = {"stage": [], "raw": [], "jinja": []}
+    runs: dict[str, list] = {"stage": [], "raw": [], "jinja": [], "stage_again": []}
     try:
         for _ in range(repeats):
             runs["stage"].append(timed(lambda: time_stage_once(config, tok)))
@@ -138,6 +142,7 @@ def measure(work: Path, n: int, size: str, repeats: int) -> dict:
             build.FAST_RENDER = False
             runs["jinja"].append(timed(lambda: time_stage_once(config, tok)))
             build.FAST_RENDER = True
+            runs["stage_again"].append(timed(lambda: time_stage_once(config, tok)))
     finally:
         build.FAST_RENDER = True
     result, raw_tokens = runs["stage"][0][0], runs["raw"][0][0]
@@ -158,6 +163,8 @@ def measure(work: Path, n: int, size: str, repeats: int) -> dict:
         "stage_jinja_s": jinja_s,
         "stage_jinja_tokens_per_s": result.tokens / jinja_s,
         "ratio_jinja": statistics.median(r[1] / s[1] for r, s in zip(runs["raw"], runs["jinja"])),
+        # A/A: the same stage run twice per round, as a throughput ratio (second / first)
+        "stage_aa": statistics.median(a[1] / b[1] for a, b in zip(runs["stage"], runs["stage_again"])),
         "stage_cpu_s": cpu["stage"],
         "raw_cpu_s": cpu["raw"],
         "stage_jinja_cpu_s": cpu["jinja"],
@@ -176,6 +183,20 @@ def measure(work: Path, n: int, size: str, repeats: int) -> dict:
     return {"template_path": template, "server_ids_path": exact}
 
 
+def summary_of(sizes: dict) -> dict:
+    """Per size: the stage over raw encoding (target >= 0.9), the same with jinja rendering, the
+    A/A noise of the stage, and the stage's tokens/s on both paths."""
+    summary = {}
+    for size, m in sizes.items():
+        t, e = m["template_path"], m["server_ids_path"]
+        summary[f"stage_vs_raw_{size}"] = round(t["ratio"], 4)
+        summary[f"jinja_stage_vs_raw_{size}"] = round(t["ratio_jinja"], 4)
+        summary[f"stage_aa_{size}"] = round(t["stage_aa"], 4)
+        summary[f"stage_tokens_per_s_{size}"] = round(t["stage_tokens_per_s"])
+        summary[f"server_ids_tokens_per_s_{size}"] = round(e["tokens_per_s"])
+    return summary
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--n", type=int, default=4000)
@@ -187,7 +208,6 @@ def main() -> None:
     out = {
         "n": args.n,
         "repeats": args.repeats,
-        "cpus": os.cpu_count(),
         "loadavg_1min_before": os.getloadavg()[0],
         "sizes": {},
     }
@@ -195,8 +215,7 @@ def main() -> None:
         n = args.n if size == "short" else max(1, args.n // 8)
         out["sizes"][size] = measure(work / size, n, size, args.repeats)
     out["loadavg_1min_after"] = os.getloadavg()[0]
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    results_file.write(args.out, "tokenize", summary_of(out["sizes"]), **out)
     print(
         "| samples | path | rows | mean tokens | stage samples/s | stage tokens/s | raw batch encode tokens/s | "
         "stage / raw | same, jinja render |"

@@ -146,6 +146,8 @@ def missing_fields(data: dict) -> list[str]:
     machine_info = data.get("machine")
     if isinstance(machine_info, dict):
         missing += [f"machine.{key}" for key in MACHINE_FIELDS if not machine_info.get(key)]
+    elif machine_info:  # an older free-text machine line: none of the fields can be read from it
+        missing += [f"machine.{key}" for key in MACHINE_FIELDS]
     if isinstance(data.get("summary"), dict):
         try:
             check_summary(data["summary"])
