@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import time
@@ -98,6 +99,38 @@ def variant(base: Path, name: str, sets: list[str], live: bool = False) -> dict:
     return result
 
 
+def partial_path(out: Path) -> Path:
+    # under runs/ (ignored), not beside the results the README table is generated from
+    return ROOT / "runs" / f"bench-{out.stem}.partial.json"
+
+
+def finished_variants(out: Path, variants: dict, live: bool) -> dict:
+    """Variants a killed run finished with the same settings: each takes ~10-30 minutes, so a rerun resumes."""
+    try:
+        done = json.loads(partial_path(out).read_text())
+    except (OSError, ValueError):
+        return {}
+    return {
+        name: entry["result"]
+        for name, entry in done.items()
+        if name in variants and entry.get("sets") == variants[name] and entry.get("live") == live
+    }
+
+
+def keep_partial(out: Path, name: str, sets: list[str], live: bool, result: dict) -> None:
+    """Each finished variant goes to disk at once (atomic replace), before the next one starts."""
+    path = partial_path(out)
+    try:
+        done = json.loads(path.read_text())
+    except (OSError, ValueError):
+        done = {}
+    done[name] = {"sets": sets, "live": live, "result": result}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(done, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", type=Path, default=ROOT / "runs" / "bench-data-single")
@@ -115,7 +148,13 @@ def main() -> None:
         "fp8": [*sets, 'extract.storage_dtype="fp8_e4m3"'],
         "bf16_again": [*sets, 'extract.storage_dtype="bfloat16"'],
     }
-    results = {name: variant(base, name, s, args.live) for name, s in variants.items()}
+    results = finished_variants(args.out, variants, args.live)
+    for name, s in variants.items():
+        if name in results:
+            print(f"{name}: kept from {partial_path(args.out)} (same settings)", flush=True)
+            continue
+        results[name] = variant(base, name, s, args.live)
+        keep_partial(args.out, name, s, args.live, results[name])
 
     def acceptance(name: str) -> float:
         return results[name]["final_eval"]["acceptance_length"]
@@ -133,6 +172,7 @@ def main() -> None:
     results_file.write(
         args.out, "fp8", summary, started=started, base=str(base.relative_to(ROOT)), sets=sets, variants=results
     )
+    partial_path(args.out).unlink(missing_ok=True)
     for name, r in results.items():
         print(
             f"{name:<11} {r['bytes'] / 2**20:>8.1f} MiB  extract {r['seconds']['extract']:>6.1f} s  train "
