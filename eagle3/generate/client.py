@@ -1,8 +1,13 @@
 """One chat request with an explicit deadline, our own retries, and a classified outcome.
 
 Design choices:
-- The OpenAI client's own retries are off (``max_retries=0``): they would silently
-  regenerate from scratch and hide failures. Every retry here is counted by kind.
+- Requests go out through httpx directly, not the openai client: its request building
+  (a recursive type-driven transform of every message), response wrapping and retry
+  layers cost ~1 ms of CPU per request, ~40% of the client's whole cost against an
+  instant server (benchmarks/bench_generation.py), and we used none of them: the body
+  is the vLLM chat body, the answer is read as JSON, and the retries are ours (the
+  openai client's own would silently regenerate from scratch and hide failures). Every
+  retry here is counted by kind.
 - Every attempt has a hard total deadline (``asyncio.timeout``) on top of the HTTP
   client's timeouts, which only bound each read: a server that trickles bytes cannot
   hold a request forever. The deadline is set, or derived from ``max_tokens``:
@@ -43,7 +48,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 
 from eagle3.config import GenerationConfig
 from eagle3.errors import Eagle3Error
@@ -84,7 +88,7 @@ class Failure(Eagle3Error):
 @dataclass
 class Endpoint:
     base_url: str
-    clients: list[openai.AsyncOpenAI]
+    clients: list[httpx.AsyncClient]
     outstanding: int = 0
     down_until: float = 0.0
     busy: list[int] = field(default_factory=list)  # requests in flight per client
@@ -103,7 +107,7 @@ class Lease:
     index: int
 
     @property
-    def client(self) -> openai.AsyncOpenAI:
+    def client(self) -> httpx.AsyncClient:
         return self.endpoint.clients[self.index]
 
     @property
@@ -252,16 +256,33 @@ class EndpointPool:
                     await e.probe
                 e.probe = None
             for client in e.clients:
-                await client.close()
+                await client.aclose()
 
 
-def _client(base_url: str, api_key: str | None, max_connections: int, deadline: float) -> openai.AsyncOpenAI:
+def _client(base_url: str, api_key: str | None, max_connections: int, deadline: float) -> httpx.AsyncClient:
+    """One small HTTP client: its own pool, the key on every request, and read/connect timeouts
+    under the per-attempt deadline (which bounds the whole request)."""
     limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
     timeout = httpx.Timeout(deadline, connect=min(30.0, deadline))
-    http = httpx.AsyncClient(limits=limits, timeout=timeout)
-    return openai.AsyncOpenAI(
-        base_url=base_url, api_key=api_key or "none", max_retries=0, timeout=timeout, http_client=http
-    )
+    headers = {"Content-Type": "application/json", "Accept": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    return httpx.AsyncClient(base_url=base_url.rstrip("/") + "/", limits=limits, timeout=timeout, headers=headers)
+
+
+class StatusError(Exception):
+    """The server answered with an HTTP error status; ``body`` is its JSON, or its text when not JSON."""
+
+    def __init__(self, response: httpx.Response):
+        self.response = response
+        self.status_code = response.status_code
+        text = response.text.strip()
+        try:
+            self.body: Any = json.loads(text)
+        except ValueError:
+            self.body = text
+        self.message = f"Error code: {self.status_code}" + (f" - {self.body}" if self.body else "")
+        super().__init__(self.message)
 
 
 def _retry_after(response: httpx.Response | None) -> float | None:
@@ -275,7 +296,7 @@ def _retry_after(response: httpx.Response | None) -> float | None:
         return max(0.0, parsed.timestamp() - time.time()) if parsed else None
 
 
-def _server_message(exc: openai.APIStatusError) -> str:
+def _server_message(exc: StatusError) -> str:
     body = exc.body
     if isinstance(body, dict):
         inner = body.get("error", body)
@@ -288,13 +309,12 @@ def _server_message(exc: openai.APIStatusError) -> str:
 
 def classify(exc: BaseException) -> Failure:
     """Map an exception from one attempt to a counted kind, transient or not."""
-    if isinstance(exc, (TimeoutError, openai.APITimeoutError)):
+    if isinstance(exc, (TimeoutError, httpx.TimeoutException)):
         return Failure("timeout", "no complete response within the request deadline", True)
-    if isinstance(exc, openai.APIConnectionError):
-        cause = exc.__cause__
-        kind = "connect_error" if isinstance(cause, httpx.ConnectError) else "connection_error"
-        return Failure(kind, f"{type(cause).__name__ if cause else 'connection'}: {cause or exc}", True)
-    if isinstance(exc, openai.APIStatusError):
+    if isinstance(exc, (httpx.TransportError, OSError)):  # refused, reset, closed mid-answer, protocol errors
+        kind = "connect_error" if isinstance(exc, httpx.ConnectError) else "connection_error"
+        return Failure(kind, f"{type(exc).__name__}: {exc}", True)
+    if isinstance(exc, StatusError):
         code = exc.status_code
         transient = code in TRANSIENT_STATUS or code >= 500
         return Failure(f"http_{code}", _server_message(exc), transient, _retry_after(exc.response))
@@ -367,22 +387,21 @@ def parse_response(data: Any) -> dict:
         raise Failure("bad_response", f"response lacks {exc!r}: {str(data)[:200]}", True) from None
 
 
-async def _attempt(endpoint: Lease, body: dict, deadline: float) -> dict:
-    extra = {k: v for k, v in body.items() if k not in ("model", "messages", "max_tokens", "temperature", "top_p")}
+async def _post(lease: Lease, path: str, body: dict, deadline: float) -> dict:
+    """One attempt: POST the body as JSON and read the whole answer, all inside the deadline."""
+    content = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
     async with asyncio.timeout(deadline):
-        raw = await endpoint.client.chat.completions.with_raw_response.create(
-            model=body["model"],
-            messages=body["messages"],
-            max_tokens=body["max_tokens"],
-            temperature=body["temperature"],
-            top_p=body["top_p"],
-            extra_body=extra,
-            timeout=deadline,
-        )
-        try:
-            return json.loads(raw.http_response.content)
-        except json.JSONDecodeError as exc:
-            raise Failure("bad_response", f"body is not JSON ({exc})", True) from None
+        response = await lease.client.post(path, content=content)
+    if response.status_code >= 400:
+        raise StatusError(response)
+    try:
+        return json.loads(response.content)
+    except ValueError as exc:  # not JSON, or not UTF-8
+        raise Failure("bad_response", f"body is not JSON ({exc})", True) from None
+
+
+async def _attempt(lease: Lease, body: dict, deadline: float) -> dict:
+    return await _post(lease, "chat/completions", body, deadline)
 
 
 def parse_completion(data: Any) -> dict:
@@ -401,29 +420,8 @@ def parse_completion(data: Any) -> dict:
         raise Failure("bad_response", f"response lacks {exc!r}: {str(data)[:200]}", True) from None
 
 
-async def _completion_attempt(endpoint: Lease, body: dict, deadline: float) -> dict:
-    extra = {
-        k: v
-        for k, v in body.items()
-        if k not in ("model", "prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed")
-    }
-    async with asyncio.timeout(deadline):
-        raw = await endpoint.client.completions.with_raw_response.create(
-            model=body["model"],
-            prompt=body["prompt"],
-            max_tokens=body["max_tokens"],
-            temperature=body["temperature"],
-            top_p=body["top_p"],
-            n=body["n"],
-            stop=body.get("stop"),
-            seed=body.get("seed"),
-            extra_body=extra,
-            timeout=deadline,
-        )
-        try:
-            return json.loads(raw.http_response.content)
-        except json.JSONDecodeError as exc:
-            raise Failure("bad_response", f"body is not JSON ({exc})", True) from None
+async def _completion_attempt(lease: Lease, body: dict, deadline: float) -> dict:
+    return await _post(lease, "completions", body, deadline)
 
 
 # What one request is: the chat route (generate) or the text-completion route (self-written prompts).
