@@ -48,8 +48,9 @@ async def baseline(
     done = 0
     limits = httpx.Limits(max_connections=PER_CLIENT, max_keepalive_connections=PER_CLIENT)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
+    tls = httpx.create_ssl_context()  # one for all clients, as the pipeline does (each default one costs ~40 ms)
     clients = [
-        httpx.AsyncClient(base_url=url, limits=limits, timeout=600, headers=headers)
+        httpx.AsyncClient(base_url=url, limits=limits, timeout=600, headers=headers, verify=tls)
         for _ in range(-(-concurrency // PER_CLIENT))
     ]
 

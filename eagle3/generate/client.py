@@ -41,6 +41,7 @@ import email.utils
 import json
 import logging
 import random
+import ssl
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -138,8 +139,12 @@ class EndpointPool:
             raise ValueError("no server URLs to send requests to")
         n_clients = max(1, -(-max_connections // CONNECTIONS_PER_CLIENT))
         per_client = -(-max_connections // n_clients)
+        # One TLS context for every client: httpx builds a new one per client by default, loading the CA
+        # bundle each time (~40 ms of CPU: 1.3 s for the 32 clients of 1024 connections, per shard).
+        self._tls = httpx.create_ssl_context()
         self.endpoints = [
-            Endpoint(url, [_client(url, api_key, per_client, deadline) for _ in range(n_clients)]) for url in base_urls
+            Endpoint(url, [_client(url, api_key, per_client, deadline, self._tls) for _ in range(n_clients)])
+            for url in base_urls
         ]
         self.outage_wait_s = outage_wait_s
         self.log = logger or logging.getLogger(__name__)
@@ -216,7 +221,7 @@ class EndpointPool:
 
     async def _probe_until_back(self, e: Endpoint) -> None:
         headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
-        async with httpx.AsyncClient(timeout=PROBE_TIMEOUT, headers=headers) as http:
+        async with httpx.AsyncClient(timeout=PROBE_TIMEOUT, headers=headers, verify=self._tls) as http:
             while e.down_until > 0.0:
                 await asyncio.sleep(PROBE_EVERY_S)
                 try:
@@ -259,7 +264,9 @@ class EndpointPool:
                 await client.aclose()
 
 
-def _client(base_url: str, api_key: str | None, max_connections: int, deadline: float) -> httpx.AsyncClient:
+def _client(
+    base_url: str, api_key: str | None, max_connections: int, deadline: float, tls: ssl.SSLContext
+) -> httpx.AsyncClient:
     """One small HTTP client: its own pool, the key on every request, and read/connect timeouts
     under the per-attempt deadline (which bounds the whole request)."""
     limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
@@ -267,7 +274,9 @@ def _client(base_url: str, api_key: str | None, max_connections: int, deadline: 
     headers = {"Content-Type": "application/json", "Accept": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
-    return httpx.AsyncClient(base_url=base_url.rstrip("/") + "/", limits=limits, timeout=timeout, headers=headers)
+    return httpx.AsyncClient(
+        base_url=base_url.rstrip("/") + "/", limits=limits, timeout=timeout, headers=headers, verify=tls
+    )
 
 
 class StatusError(Exception):
