@@ -24,7 +24,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 
 MAX_TOKENS = 512
-PER_CLIENT = 32  # the plain script's connections per httpx client, as the pipeline splits them
 
 
 def usage() -> dict:
@@ -40,9 +39,12 @@ async def baseline(
     url: str, n: int, concurrency: int, max_tokens: int = MAX_TOKENS, key: str | None = None, greedy: bool = False
 ) -> int:
     """The thinnest reasonable client: httpx, N workers, POST, json.loads, count. No retries, no
-    deadlines, nothing written. Split into PER_CLIENT-connection clients like the pipeline: one
-    1024-connection httpx pool is CPU-bound in httpcore's pool scan, which would flatter the pipeline."""
+    deadlines, nothing written. Split into clients of as many connections as the pipeline's
+    (CONNECTIONS_PER_CLIENT): httpcore's pool scan costs CPU per connection in the pool, so a
+    different split would measure the split, not the client."""
     import httpx
+
+    from eagle3.generate.client import CONNECTIONS_PER_CLIENT as PER_CLIENT
 
     todo = iter(prompts(n))
     done = 0
@@ -156,9 +158,11 @@ def _measured(args, work) -> tuple[int, float, dict]:
 
 
 def client_main(args) -> None:
-    import httpx  # noqa: F401
+    import httpx
 
     import eagle3.generate.shard  # noqa: F401
+
+    httpx.AsyncClient()  # httpx imports its transport (httpcore, h2) at the first client: before the clock
 
     key = os.environ.get("EAGLE3_BENCH_KEY")
     if args.client == "baseline":

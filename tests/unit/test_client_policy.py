@@ -105,3 +105,19 @@ async def test_pool_prefers_least_outstanding_and_skips_refusing_replicas():
     pool.release(a1, refused=True)
     assert [pool.acquire().base_url for _ in range(3)] == ["http://b/v1"] * 3
     await pool.close()
+
+
+def test_a_request_takes_a_free_connection_slot_and_gives_it_back():
+    """The pool's clients are small (CONNECTIONS_PER_CLIENT): a lease takes a free slot, the least busy
+    client only when every slot is taken, and a release frees exactly the slot it held."""
+    pool = EndpointPool(["http://a/v1"], None, max_connections=8, deadline=10)
+    (e,) = pool.endpoints
+    assert len(e.clients) * e.per_client >= 8 and e.per_client <= 4
+    leases = [pool.acquire() for _ in range(8)]
+    assert e.busy == [e.per_client] * len(e.clients) and not e.free  # every slot taken, none twice
+    extra = pool.acquire()  # more requests than connections: the least busy client, over its limit
+    assert e.busy[extra.index] == e.per_client + 1
+    pool.release(extra)
+    assert not e.free, "a release above the limit frees no slot"
+    pool.release(leases[0])
+    assert e.free == [leases[0].index] and pool.acquire().index == leases[0].index  # the same client, reused
