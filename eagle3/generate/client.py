@@ -1,8 +1,13 @@
 """One chat request with an explicit deadline, our own retries, and a classified outcome.
 
 Design choices:
-- The OpenAI client's own retries are off (``max_retries=0``): they would silently
-  regenerate from scratch and hide failures. Every retry here is counted by kind.
+- Requests go out through httpx directly, not the openai client: its request building
+  (a recursive type-driven transform of every message), response wrapping and retry
+  layers cost ~1 ms of CPU per request, ~40% of the client's whole cost against an
+  instant server (benchmarks/bench_generation.py), and we used none of them: the body
+  is the vLLM chat body, the answer is read as JSON, and the retries are ours (the
+  openai client's own would silently regenerate from scratch and hide failures). Every
+  retry here is counted by kind.
 - Every attempt has a hard total deadline (``asyncio.timeout``) on top of the HTTP
   client's timeouts, which only bound each read: a server that trickles bytes cannot
   hold a request forever. The deadline is set, or derived from ``max_tokens``:
@@ -22,10 +27,15 @@ Design choices:
   restarting the fleet) requests *wait* for one to come back instead of spending their
   attempts in a few seconds of backoff -- bounded by ``outage_wait_s`` per outage, after
   which they go out, fail, and the shard task's retry takes over.
-- Each replica is served by several small HTTP clients (``CONNECTIONS_PER_CLIENT``
-  connections each) rather than one big one: httpcore scans its whole pool for every
-  request, so one client with 1024 connections spends most of its CPU in that scan
-  (measured here: ~45 req/s at 1024 connections in one pool, ~200 req/s split in 32s).
+- Each replica is served by many small HTTP clients (``CONNECTIONS_PER_CLIENT`` = 4
+  connections each) rather than one big one: httpcore scans its whole pool, a ``poll()``
+  per connection, several times for every request, so the scan is most of the client's
+  CPU (one client with 1024 connections: ~45 req/s). Measured with a plain httpx script
+  against an instant server at 64-1024 in flight: client CPU per request ~2.1 ms with
+  32 connections per client, ~1.0-1.4 with 8, ~0.9-1.2 with 4 and with 2. A request takes
+  a free connection slot from a stack (O(1), and the client that just answered is reused,
+  its connection still open); when none is free (more requests than connections) the
+  least busy client takes it.
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ import email.utils
 import json
 import logging
 import random
+import ssl
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -43,7 +54,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 
 from eagle3.config import GenerationConfig
 from eagle3.errors import Eagle3Error
@@ -58,7 +68,7 @@ PROBE_TIMEOUT = httpx.Timeout(5.0, connect=2.0)
 # One dropped connection can be a single bad request; two in a row with no success between is the replica.
 DROPS_BEFORE_BENCH = 2
 WAIT_POLL_S = 0.25
-CONNECTIONS_PER_CLIENT = 32
+CONNECTIONS_PER_CLIENT = 4
 
 
 def deadline_s(gen: GenerationConfig) -> float:
@@ -84,15 +94,29 @@ class Failure(Eagle3Error):
 @dataclass
 class Endpoint:
     base_url: str
-    clients: list[openai.AsyncOpenAI]
+    clients: list[httpx.AsyncClient]
+    per_client: int = 1  # connections each client may hold
     outstanding: int = 0
     down_until: float = 0.0
     busy: list[int] = field(default_factory=list)  # requests in flight per client
+    free: list[int] = field(default_factory=list)  # one client index per free connection slot (a stack)
     drops: int = 0  # connection failures since the last answer
     probe: asyncio.Task | None = None
 
     def __post_init__(self) -> None:
         self.busy = [0] * len(self.clients)
+        self.free = [i for i in reversed(range(len(self.clients))) for _ in range(self.per_client)]
+
+    def take(self) -> int:
+        """A client for one more request: a free slot's, else the least busy one's (over its limit)."""
+        index = self.free.pop() if self.free else min(range(len(self.busy)), key=self.busy.__getitem__)
+        self.busy[index] += 1
+        return index
+
+    def give_back(self, index: int) -> None:
+        self.busy[index] -= 1
+        if self.busy[index] < self.per_client:
+            self.free.append(index)
 
 
 @dataclass
@@ -103,7 +127,7 @@ class Lease:
     index: int
 
     @property
-    def client(self) -> openai.AsyncOpenAI:
+    def client(self) -> httpx.AsyncClient:
         return self.endpoint.clients[self.index]
 
     @property
@@ -134,9 +158,13 @@ class EndpointPool:
             raise ValueError("no server URLs to send requests to")
         n_clients = max(1, -(-max_connections // CONNECTIONS_PER_CLIENT))
         per_client = -(-max_connections // n_clients)
-        self.endpoints = [
-            Endpoint(url, [_client(url, api_key, per_client, deadline) for _ in range(n_clients)]) for url in base_urls
-        ]
+        # One TLS context for every client: httpx builds a new one per client by default, loading the CA
+        # bundle each time (~40 ms of CPU per client; 1024 connections are 256 clients).
+        self._tls = httpx.create_ssl_context()
+        self.endpoints = []
+        for url in base_urls:
+            clients = [_client(url, api_key, per_client, deadline, self._tls) for _ in range(n_clients)]
+            self.endpoints.append(Endpoint(url, clients, per_client))
         self.outage_wait_s = outage_wait_s
         self.log = logger or logging.getLogger(__name__)
         self.benched: Counter = Counter()
@@ -161,16 +189,14 @@ class EndpointPool:
         up = self._up(time.monotonic())
         candidates = [e for e in up if e is not avoid] or up or sorted(self.endpoints, key=lambda e: e.down_until)[:1]
         chosen = min(candidates, key=lambda e: e.outstanding)
-        index = min(range(len(chosen.busy)), key=chosen.busy.__getitem__)
         chosen.outstanding += 1
-        chosen.busy[index] += 1
-        return Lease(chosen, index)
+        return Lease(chosen, chosen.take())
 
     def release(self, lease: Lease, refused: bool = False, failure: Failure | None = None) -> None:
         """Give the lease back with what happened: success (no failure), refused, or a classified failure."""
         e = lease.endpoint
         e.outstanding -= 1
-        e.busy[lease.index] -= 1
+        e.give_back(lease.index)
         kind = "connect_error" if refused else (failure.kind if failure else None)
         if kind is None:
             e.drops = 0
@@ -212,7 +238,7 @@ class EndpointPool:
 
     async def _probe_until_back(self, e: Endpoint) -> None:
         headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
-        async with httpx.AsyncClient(timeout=PROBE_TIMEOUT, headers=headers) as http:
+        async with httpx.AsyncClient(timeout=PROBE_TIMEOUT, headers=headers, verify=self._tls) as http:
             while e.down_until > 0.0:
                 await asyncio.sleep(PROBE_EVERY_S)
                 try:
@@ -252,16 +278,37 @@ class EndpointPool:
                     await e.probe
                 e.probe = None
             for client in e.clients:
-                await client.close()
+                await client.aclose()
 
 
-def _client(base_url: str, api_key: str | None, max_connections: int, deadline: float) -> openai.AsyncOpenAI:
+def _client(
+    base_url: str, api_key: str | None, max_connections: int, deadline: float, tls: ssl.SSLContext
+) -> httpx.AsyncClient:
+    """One small HTTP client: its own pool, the key on every request, and read/connect timeouts
+    under the per-attempt deadline (which bounds the whole request)."""
     limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
     timeout = httpx.Timeout(deadline, connect=min(30.0, deadline))
-    http = httpx.AsyncClient(limits=limits, timeout=timeout)
-    return openai.AsyncOpenAI(
-        base_url=base_url, api_key=api_key or "none", max_retries=0, timeout=timeout, http_client=http
+    headers = {"Content-Type": "application/json", "Accept": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    return httpx.AsyncClient(
+        base_url=base_url.rstrip("/") + "/", limits=limits, timeout=timeout, headers=headers, verify=tls
     )
+
+
+class StatusError(Exception):
+    """The server answered with an HTTP error status; ``body`` is its JSON, or its text when not JSON."""
+
+    def __init__(self, response: httpx.Response):
+        self.response = response
+        self.status_code = response.status_code
+        text = response.text.strip()
+        try:
+            self.body: Any = json.loads(text)
+        except ValueError:
+            self.body = text
+        self.message = f"Error code: {self.status_code}" + (f" - {self.body}" if self.body else "")
+        super().__init__(self.message)
 
 
 def _retry_after(response: httpx.Response | None) -> float | None:
@@ -275,7 +322,7 @@ def _retry_after(response: httpx.Response | None) -> float | None:
         return max(0.0, parsed.timestamp() - time.time()) if parsed else None
 
 
-def _server_message(exc: openai.APIStatusError) -> str:
+def _server_message(exc: StatusError) -> str:
     body = exc.body
     if isinstance(body, dict):
         inner = body.get("error", body)
@@ -288,13 +335,12 @@ def _server_message(exc: openai.APIStatusError) -> str:
 
 def classify(exc: BaseException) -> Failure:
     """Map an exception from one attempt to a counted kind, transient or not."""
-    if isinstance(exc, (TimeoutError, openai.APITimeoutError)):
+    if isinstance(exc, (TimeoutError, httpx.TimeoutException)):
         return Failure("timeout", "no complete response within the request deadline", True)
-    if isinstance(exc, openai.APIConnectionError):
-        cause = exc.__cause__
-        kind = "connect_error" if isinstance(cause, httpx.ConnectError) else "connection_error"
-        return Failure(kind, f"{type(cause).__name__ if cause else 'connection'}: {cause or exc}", True)
-    if isinstance(exc, openai.APIStatusError):
+    if isinstance(exc, (httpx.TransportError, OSError)):  # refused, reset, closed mid-answer, protocol errors
+        kind = "connect_error" if isinstance(exc, httpx.ConnectError) else "connection_error"
+        return Failure(kind, f"{type(exc).__name__}: {exc}", True)
+    if isinstance(exc, StatusError):
         code = exc.status_code
         transient = code in TRANSIENT_STATUS or code >= 500
         return Failure(f"http_{code}", _server_message(exc), transient, _retry_after(exc.response))
@@ -367,22 +413,21 @@ def parse_response(data: Any) -> dict:
         raise Failure("bad_response", f"response lacks {exc!r}: {str(data)[:200]}", True) from None
 
 
-async def _attempt(endpoint: Lease, body: dict, deadline: float) -> dict:
-    extra = {k: v for k, v in body.items() if k not in ("model", "messages", "max_tokens", "temperature", "top_p")}
+async def _post(lease: Lease, path: str, body: dict, deadline: float) -> dict:
+    """One attempt: POST the body as JSON and read the whole answer, all inside the deadline."""
+    content = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
     async with asyncio.timeout(deadline):
-        raw = await endpoint.client.chat.completions.with_raw_response.create(
-            model=body["model"],
-            messages=body["messages"],
-            max_tokens=body["max_tokens"],
-            temperature=body["temperature"],
-            top_p=body["top_p"],
-            extra_body=extra,
-            timeout=deadline,
-        )
-        try:
-            return json.loads(raw.http_response.content)
-        except json.JSONDecodeError as exc:
-            raise Failure("bad_response", f"body is not JSON ({exc})", True) from None
+        response = await lease.client.post(path, content=content)
+    if response.status_code >= 400:
+        raise StatusError(response)
+    try:
+        return json.loads(response.content)
+    except ValueError as exc:  # not JSON, or not UTF-8
+        raise Failure("bad_response", f"body is not JSON ({exc})", True) from None
+
+
+async def _attempt(lease: Lease, body: dict, deadline: float) -> dict:
+    return await _post(lease, "chat/completions", body, deadline)
 
 
 def parse_completion(data: Any) -> dict:
@@ -401,29 +446,8 @@ def parse_completion(data: Any) -> dict:
         raise Failure("bad_response", f"response lacks {exc!r}: {str(data)[:200]}", True) from None
 
 
-async def _completion_attempt(endpoint: Lease, body: dict, deadline: float) -> dict:
-    extra = {
-        k: v
-        for k, v in body.items()
-        if k not in ("model", "prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed")
-    }
-    async with asyncio.timeout(deadline):
-        raw = await endpoint.client.completions.with_raw_response.create(
-            model=body["model"],
-            prompt=body["prompt"],
-            max_tokens=body["max_tokens"],
-            temperature=body["temperature"],
-            top_p=body["top_p"],
-            n=body["n"],
-            stop=body.get("stop"),
-            seed=body.get("seed"),
-            extra_body=extra,
-            timeout=deadline,
-        )
-        try:
-            return json.loads(raw.http_response.content)
-        except json.JSONDecodeError as exc:
-            raise Failure("bad_response", f"body is not JSON ({exc})", True) from None
+async def _completion_attempt(lease: Lease, body: dict, deadline: float) -> dict:
+    return await _post(lease, "completions", body, deadline)
 
 
 # What one request is: the chat route (generate) or the text-completion route (self-written prompts).

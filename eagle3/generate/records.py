@@ -4,6 +4,12 @@ Design choices:
 - Each record is one line, written with a single ``write`` and flushed at once, so a
   killed process loses at most the line being written. ``fsync`` runs every few records
   and on close: a power cut loses at most that many records, and they are regenerated.
+- In the event loop the periodic fsync runs *behind* (``sync_behind``): in a worker thread,
+  one at a time per file, nobody waiting for it (awaiting it cost the generation client
+  ~0.09 ms of CPU per request, ~10%, against an instant server). When the disk is slower
+  than ``fsync_every`` records arrive, the next fsync starts as soon as the running one
+  ends. A failure there breaks the appender like a failed write: the next append or the
+  close raises it, so no marker follows; ``close`` waits for a running fsync first.
 - A write that fails (disk full) cuts the file back to its last whole record and raises
   ``DiskWriteError``; the appender refuses further records, so no marker follows a lost write.
 - A reader repairs a torn last line (a write cut short by a kill) by truncating the file
@@ -18,6 +24,7 @@ import errno
 import json
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -58,6 +65,9 @@ class JsonlAppender:
         self._unsynced = 0
         self._what = what
         self._broken = False
+        self._error: OSError | None = None  # what an fsync behind raised: the next append or close raises it
+        self._behind = None  # the fsync running behind (a future), if any
+        self._lock = threading.Lock()  # held by an fsync behind; close takes it before closing the fd
 
     @property
     def closed(self) -> bool:
@@ -76,6 +86,8 @@ class JsonlAppender:
     def _usable(self) -> int:
         if self._fd is None:
             raise ValueError(f"{self.path}: appender is closed")
+        if self._error is not None:
+            raise self._error
         if self._broken:
             raise DiskWriteError(
                 errno.EIO, f"{self._what}: {self.path}: an earlier write to this file failed; rerun to resume"
@@ -120,16 +132,47 @@ class JsonlAppender:
             with self._fsyncing() as fd:
                 await asyncio.to_thread(os.fsync, fd)
 
+    def sync_behind(self) -> None:
+        """Start the due fsync in a worker thread and return at once (event loop only); see the module
+        docstring. A failure is raised by the next append or by close."""
+        import asyncio
+
+        if self._behind is not None or not self._unsynced or self._fd is None:
+            return
+        fd = self._usable()
+        self._unsynced = 0
+        self._behind = asyncio.get_running_loop().run_in_executor(None, self._fsync_behind, fd)
+        self._behind.add_done_callback(self._behind_done)
+
+    def _fsync_behind(self, fd: int) -> None:
+        with self._lock:
+            if self._fd != fd:  # closed meanwhile (close synced it)
+                return
+            try:
+                with writing(self.path, self._what):
+                    os.fsync(fd)
+            except OSError as exc:  # set here, not in the callback: close may run before the callback does
+                self._broken, self._error = True, exc
+
+    def _behind_done(self, _future) -> None:
+        self._behind = None
+        if self._unsynced >= self._fsync_every and self._fd is not None and not self._broken:
+            self.sync_behind()  # records fell due while it ran
+
     def close(self) -> None:
-        """fsync what is unsynced and close; after a failed write, just close (the error was raised)."""
+        """fsync what is unsynced and close; after a failed write, just close (the error was raised).
+        An fsync behind that failed is raised here, after closing."""
         if self._fd is None:
             return
-        try:
-            if not self._broken:
-                self.sync()
-        finally:
-            os.close(self._fd)
-            self._fd = None
+        with self._lock:  # a running fsync behind ends first
+            try:
+                if not self._broken:
+                    self.sync()
+            finally:
+                os.close(self._fd)
+                self._fd = None
+        if self._error is not None:
+            raise self._error
 
     def __enter__(self) -> JsonlAppender:
         return self

@@ -239,10 +239,10 @@ class _Run:
         self.filtered_ids.add(sample.id)
 
     async def write(self, stream: str, record: dict) -> None:
-        """Append (flushed at once); the periodic fsync runs off the event loop."""
+        """Append (flushed at once); the periodic fsync runs behind, in a worker thread (records.py)."""
         writer = self.writers[stream]
         if writer.append(record, sync=False):
-            await writer.sync_soon()
+            writer.sync_behind()
 
 
 async def _report(stats: Stats, every_s: float, progress: Callable[[dict], None]) -> None:

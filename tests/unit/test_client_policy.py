@@ -3,11 +3,10 @@
 import random
 
 import httpx
-import openai
 import pytest
 
 from eagle3.config import GenerationConfig
-from eagle3.generate.client import EndpointPool, backoff_s, classify, deadline_s, parse_response
+from eagle3.generate.client import EndpointPool, StatusError, backoff_s, classify, deadline_s, parse_response
 
 
 def status_error(code, headers=None, body=None):
@@ -15,7 +14,7 @@ def status_error(code, headers=None, body=None):
     response = httpx.Response(
         code, headers=headers or {}, request=request, json=body or {"error": {"message": f"msg {code}"}}
     )
-    return openai.APIStatusError(f"status {code}", response=response, body=response.json())
+    return StatusError(response)
 
 
 def test_deadline_is_derived_from_max_tokens_unless_set():
@@ -52,15 +51,21 @@ def test_retry_after_seconds_and_http_date():
 
 
 def test_timeouts_and_connection_errors_are_transient():
-    request = httpx.Request("POST", "http://x")
     assert classify(TimeoutError()).kind == "timeout"
-    assert classify(openai.APITimeoutError(request=request)).transient
-    refused = openai.APIConnectionError(request=request)
-    refused.__cause__ = httpx.ConnectError("refused")
+    assert classify(httpx.ReadTimeout("slow")).kind == "timeout" and classify(httpx.ReadTimeout("slow")).transient
+    refused = httpx.ConnectError("refused")
     assert classify(refused).kind == "connect_error" and classify(refused).transient
-    reset = openai.APIConnectionError(request=request)
-    reset.__cause__ = httpx.RemoteProtocolError("peer closed")
-    assert classify(reset).kind == "connection_error"
+    reset = httpx.RemoteProtocolError("peer closed")
+    assert classify(reset).kind == "connection_error" and classify(reset).transient
+    assert classify(reset).message == "RemoteProtocolError: peer closed"
+
+
+def test_a_status_without_a_json_message_keeps_the_servers_text():
+    request = httpx.Request("POST", "http://x/v1/chat/completions")
+    failure = classify(StatusError(httpx.Response(502, request=request, text="bad gateway")))
+    assert failure.kind == "http_502" and failure.transient and "bad gateway" in failure.message
+    unauthorized = classify(StatusError(httpx.Response(401, request=request, json={"error": "Unauthorized"})))
+    assert unauthorized.kind == "http_401" and not unauthorized.transient and "Unauthorized" in unauthorized.message
 
 
 def test_backoff_is_full_jitter_capped_and_honours_retry_after():
@@ -100,3 +105,19 @@ async def test_pool_prefers_least_outstanding_and_skips_refusing_replicas():
     pool.release(a1, refused=True)
     assert [pool.acquire().base_url for _ in range(3)] == ["http://b/v1"] * 3
     await pool.close()
+
+
+def test_a_request_takes_a_free_connection_slot_and_gives_it_back():
+    """The pool's clients are small (CONNECTIONS_PER_CLIENT): a lease takes a free slot, the least busy
+    client only when every slot is taken, and a release frees exactly the slot it held."""
+    pool = EndpointPool(["http://a/v1"], None, max_connections=8, deadline=10)
+    (e,) = pool.endpoints
+    assert len(e.clients) * e.per_client >= 8 and e.per_client <= 4
+    leases = [pool.acquire() for _ in range(8)]
+    assert e.busy == [e.per_client] * len(e.clients) and not e.free  # every slot taken, none twice
+    extra = pool.acquire()  # more requests than connections: the least busy client, over its limit
+    assert e.busy[extra.index] == e.per_client + 1
+    pool.release(extra)
+    assert not e.free, "a release above the limit frees no slot"
+    pool.release(leases[0])
+    assert e.free == [leases[0].index] and pool.acquire().index == leases[0].index  # the same client, reused

@@ -61,3 +61,48 @@ def test_damage_inside_the_file_is_an_error_naming_the_line(tmp_path):
 
 def test_missing_file_has_no_records(tmp_path):
     assert read_records(tmp_path / "nope.jsonl") == []
+
+
+def test_an_fsync_behind_runs_every_n_records_and_its_failure_is_raised(tmp_path, monkeypatch):
+    """sync_behind: the due fsync runs in a worker thread, one at a time; a failure there is raised by
+    the next append and by close (so no completion marker can follow it), naming the file."""
+    import asyncio
+    import errno
+    import os
+
+    import eagle3.generate.records as records_module
+    from eagle3.durable import DiskWriteError
+
+    synced, real = [], os.fsync
+
+    def fsync(fd):
+        synced.append(fd)
+        if len(synced) > 1:
+            raise OSError(errno.EIO, "Input/output error")
+        real(fd)
+
+    monkeypatch.setattr(records_module.os, "fsync", fsync)
+    path = tmp_path / "s.jsonl"
+
+    async def run():
+        writer = JsonlAppender(path, fsync_every=2)
+        due = [writer.append({"id": i}, sync=False) for i in range(2)]
+        assert due == [False, True]
+        writer.sync_behind()
+        writer.sync_behind()  # one at a time: no second fsync while the first runs
+        while writer._behind is not None:
+            await asyncio.sleep(0.01)
+        assert len(synced) == 1
+        writer.append({"id": 2}, sync=False)
+        writer.append({"id": 3}, sync=False)
+        writer.sync_behind()
+        while writer._behind is not None:
+            await asyncio.sleep(0.01)
+        with pytest.raises(DiskWriteError, match=r"s\.jsonl failed: Input/output error"):
+            writer.append({"id": 4}, sync=False)
+        with pytest.raises(DiskWriteError, match=r"s\.jsonl failed: Input/output error"):
+            writer.close()
+        assert writer.closed
+
+    asyncio.run(run())
+    assert [r["id"] for r in read_records(path)] == [0, 1, 2, 3]

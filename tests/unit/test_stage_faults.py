@@ -92,7 +92,10 @@ def test_a_failing_write_during_generation_leaves_no_marker_and_no_torn_record(t
         kept = [json.loads(line) for line in raw.splitlines()]
         if fault == "full_disk_mid_record":
             assert len(kept) == 11, "the records before the fault are kept, the torn one is not"
-        assert len(kept) < len(PROMPTS) and len({r["id"] for r in kept}) == len(kept)
+        # A full disk stops the shard at the failing write. An fsync runs behind (records.py): the records
+        # that arrived while it ran are written before its failure is seen, possibly all of them.
+        assert len(kept) < len(PROMPTS) if fault == "full_disk_mid_record" else len(kept) <= len(PROMPTS)
+        assert len({r["id"] for r in kept}) == len(kept)
 
         result = generate(config, shard, [fake.base_url])
     assert (result.in_, result.ok, result.failed, result.filtered, result.skipped) == (
