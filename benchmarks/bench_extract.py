@@ -18,13 +18,19 @@
   captured states are dropped. This is the floor: the decoder stack and nothing else.
 - Rounds run bare, stage, bare again (the A/A pair), ``--rounds`` times in one process, so drift
   in a shared machine's speed hits both; ``stage_vs_bare`` is the median per-round ratio of
-  tokens/s (target >= 0.85) and ``aa`` the median ratio of the two bare runs of a round.
+  tokens/s (target >= 0.85) and ``aa`` the median ratio of the two bare runs of a round. The same
+  ratios of process CPU seconds (``*_cpu``) are steadier on a machine others load: they count the
+  work, not the share of the cores the process got.
 - Bytes: every file the stage writes for the shard (states, index, marker) against the minimum,
   the tensors alone: tokens x 4 x H x 2 in bf16 (``bytes_vs_min``, target <= 1.01).
 - fp8: one extra stage run per round with ``extract.storage_dtype = "fp8_e4m3"``
   (``fp8_vs_bf16``: its tokens/s over the bf16 stage's; minimum tokens x (4 x H + 16)).
+- Threads: the stage's own choice (``eagle3.extract.hf.cpu_threads``: one per usable core) unless
+  ``--threads``; on a 2-core machine that others load, two threads that wait on each other made the
+  same forward 3-10x slower and the ratios noise, so measurements there use ``--threads 1``.
 - ``--vllm``: the vLLM backend on the tiny target at a small size (each call starts a vLLM
-  engine, ~30 s on CPU): the stage against ``extract_with_vllm`` alone on the same samples.
+  engine, ~30 s on CPU, which dominates any size this machine can run): the stage against
+  ``extract_with_vllm`` alone on the same samples, after a warm-up call, with an A/A pair.
 Results: benchmarks/results/extract.json and a table on stdout.
 """
 
@@ -134,7 +140,7 @@ def bare_once(extractor, batches) -> tuple[float, float]:
     return time.perf_counter() - started, time.process_time() - cpu
 
 
-def measure(target: str, work: Path, samples: int, rounds: int, fp8: bool) -> dict:
+def measure(target: str, work: Path, samples: int, rounds: int, fp8: bool, threads: int = 0) -> dict:
     from eagle3.extract.hf import cached_extractor, num_layers_of
     from eagle3.extract.stage import model_path, plan
 
@@ -149,6 +155,8 @@ def measure(target: str, work: Path, samples: int, rounds: int, fp8: bool) -> di
     the_plan = plan(config, [SHARD])
     hs = config.extract
     extractor = cached_extractor(path, the_plan.layer_ids, hs.dtype, 0, hs.replicas)
+    if threads:  # after the extractor, which sets the stage's own choice
+        torch.set_num_threads(threads)
     seqs = pq.read_table(run / "tokenized" / SHARD, columns=["input_ids"]).column("input_ids").to_pylist()
     batches = padded_batches(extractor, seqs, hs.batch_tokens)
     tokens = sum(lengths)
@@ -186,6 +194,8 @@ def measure(target: str, work: Path, samples: int, rounds: int, fp8: bool) -> di
         "bare_tokens_per_s": tokens / statistics.median(w for w, _ in runs["bare"]),
         "stage_vs_bare": statistics.median(b[0] / s[0] for b, s, _ in per_round),
         "aa": statistics.median(results_file.aa(b[0], a[0]) for b, _, a in per_round),
+        "stage_vs_bare_cpu": statistics.median(b[1] / s[1] for b, s, _ in per_round),
+        "aa_cpu": statistics.median(results_file.aa(b[1], a[1]) for b, _, a in per_round),
         "bytes_written": written["bf16"],
         "bytes_min": minimum,
         "bytes_vs_min": written["bf16"] / minimum,
@@ -223,13 +233,16 @@ def measure_vllm(work: Path, samples: int) -> dict:
         )  # fmt: skip
         return time.perf_counter() - started
 
-    bare_s, stage_s = bare(), stage_once(config)[0]
+    bare()  # warm-up: the first engine start pays cold caches (measured 75 s against 30 s after)
+    bare_s, stage_s, again_s = bare(), stage_once(config)[0], bare()
     return {
         "samples": samples,
         "tokens": sum(lengths),
         "bare_s": round(bare_s, 2),
         "stage_s": round(stage_s, 2),
+        "bare_again_s": round(again_s, 2),
         "stage_vs_bare": bare_s / stage_s,
+        "aa": results_file.aa(bare_s, again_s),
     }
 
 
@@ -239,19 +252,27 @@ def main() -> None:
     parser.add_argument("--samples", default="tiny=400,smollm2=80", help="samples per target's shard")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-fp8", action="store_true")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads for both sides (default: the stage's own choice, one per usable core); 1 on a "
+        "machine others load, where threads waiting on each other's cores dominate (measured 3-10x slower)",
+    )
     parser.add_argument("--vllm", action="store_true", help="also the vLLM backend (tiny target, small size)")
+    parser.add_argument("--vllm-samples", type=int, default=16)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "extract.json"))
     args = parser.parse_args()
     sizes = dict(kv.split("=") for kv in args.samples.split(","))
     work = Path(tempfile.mkdtemp(prefix="eagle3-bench-extract-"))
     targets, notes = {}, []
     try:
-        for target in args.targets.split(","):
+        for target in filter(None, args.targets.split(",")):
             if target == "smollm2" and not SMOLLM2.is_dir():
                 notes.append(f"smollm2 skipped: {SMOLLM2} not found (make real-target builds it)")
                 continue
-            targets[target] = measure(target, work, int(sizes[target]), args.rounds, not args.no_fp8)
-        vllm = measure_vllm(work, 16) if args.vllm else None
+            targets[target] = measure(target, work, int(sizes[target]), args.rounds, not args.no_fp8, args.threads)
+        vllm = measure_vllm(work, args.vllm_samples) if args.vllm else None
     finally:
         shutil.rmtree(work, ignore_errors=True)
     summary = {}
@@ -259,10 +280,20 @@ def main() -> None:
     if headline:
         summary |= {k: round(headline[k], 4) for k in ("stage_vs_bare", "bytes_vs_min", "aa")}
     for name, m in targets.items():
-        keys = ("stage_vs_bare", "bytes_vs_min", "aa", "stage_tokens_per_s", "bare_tokens_per_s", "fp8_vs_bf16")
+        keys = (
+            "stage_vs_bare",
+            "bytes_vs_min",
+            "aa",
+            "stage_vs_bare_cpu",
+            "aa_cpu",
+            "stage_tokens_per_s",
+            "bare_tokens_per_s",
+            "fp8_vs_bf16",
+        )
         summary |= {f"{name}_{k}": round(m[k], 4) for k in keys if k in m}
     if vllm:
         summary["vllm_tiny_stage_vs_bare"] = round(vllm["stage_vs_bare"], 4)
+        summary["vllm_tiny_aa"] = vllm["aa"]
     results_file.write(
         args.out,
         "extract",
