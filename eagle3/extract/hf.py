@@ -74,6 +74,16 @@ def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
     return batches
 
 
+def cpu_threads() -> int:
+    """Threads for a CPU forward: torch's default (one per physical core, or OMP_NUM_THREADS, which
+    Ray sets to a task's CPUs), but never more than the cores this process may run on -- a container
+    or a CPU affinity mask that torch does not see would otherwise oversubscribe and stall its threads."""
+    import os
+
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(torch.get_num_threads(), allowed))
+
+
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -112,6 +122,8 @@ class HFExtractor:
         )
         self.model.eval()
         self.device = placement.input_device
+        if self.device == "cpu":
+            torch.set_num_threads(cpu_threads())
         self.decoder = self.model.get_decoder()
         layers = self.decoder.layers
         self.num_layers, self.hidden_size = len(layers), int(self.model.config.get_text_config().hidden_size)
@@ -127,27 +139,40 @@ class HFExtractor:
         return keep
 
     @torch.no_grad()
-    def states(self, samples: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """One forward over ``samples`` (right-padded): per sample (aux [T, 3H], last [T, H]) in
-        the model's dtype, on the CPU."""
-        longest = max(len(s) for s in samples)
-        ids = torch.zeros((len(samples), longest), dtype=torch.long)
-        mask = torch.zeros((len(samples), longest), dtype=torch.long)
+    def batch_states(self, samples) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward over ``samples`` (token id lists or integer arrays, right-padded): the padded
+        batch's (aux [B, T, 3H], last [B, T, H]) in the model's dtype, on the CPU; sample ``b``'s
+        rows are ``[b, :len(samples[b])]``."""
+        lengths = torch.tensor([len(s) for s in samples])
+        ids = torch.zeros((len(samples), int(lengths.max())), dtype=torch.long)
         for b, s in enumerate(samples):
-            ids[b, : len(s)] = torch.as_tensor(s, dtype=torch.long)
-            mask[b, : len(s)] = 1
+            ids[b, : len(s)] = torch.as_tensor(s)
+        mask = (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).long()
         self._captured.clear()
         self.decoder(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False)
         aux = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1).cpu()
         last = self._captured[self.num_layers].cpu()
         self._captured.clear()
+        return aux, last
+
+    def states(self, samples) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One forward over ``samples`` (right-padded): per sample (aux [T, 3H], last [T, H]) in
+        the model's dtype, on the CPU."""
+        aux, last = self.batch_states(samples)
         return [(aux[b, : len(s)], last[b, : len(s)]) for b, s in enumerate(samples)]
 
-    def iter_states(self, samples: list[list[int]], batch_tokens: int):
-        """(index, aux, last) for every sample, in length-bucketed batches."""
+    def iter_batches(self, samples, batch_tokens: int):
+        """(sample indices, aux [B, T, 3H], last [B, T, H]) per length-bucketed batch: the stage
+        hands whole batches to its writer thread, with no per-sample work on this side."""
         for batch in length_batches([len(s) for s in samples], batch_tokens):
-            for k, (aux, last) in zip(batch, self.states([samples[k] for k in batch])):
-                yield k, aux, last
+            yield (batch, *self.batch_states([samples[k] for k in batch]))
+
+    def iter_states(self, samples, batch_tokens: int):
+        """(index, aux, last) for every sample, in length-bucketed batches."""
+        for batch, aux, last in self.iter_batches(samples, batch_tokens):
+            for b, k in enumerate(batch):
+                n = len(samples[k])
+                yield k, aux[b, :n], last[b, :n]
 
 
 _CACHE: dict[tuple, HFExtractor] = {}

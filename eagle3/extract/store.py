@@ -62,6 +62,16 @@ def quantize(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
     return values.reshape(n, -1), scale
 
 
+def _finite(x: torch.Tensor) -> bool:
+    """No inf or nan in ``x``: its min and max are finite (NaN propagates into both). One fused
+    pass, ~20x faster than ``isfinite(x).all()`` on bf16 CPU tensors, where that check cost more
+    than the forward of a small target."""
+    if x.numel() == 0:
+        return True
+    low, high = torch.aminmax(x)
+    return bool(torch.isfinite(low) and torch.isfinite(high))
+
+
 def dequantize(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The inverse of ``quantize``, as bf16."""
     n, groups = scale.shape
@@ -125,7 +135,7 @@ class StatesWriter:
                 f"got {list(aux.shape)} and {list(last.shape)}"
             )
         aux, last = aux.to(torch.bfloat16).contiguous().cpu(), last.to(torch.bfloat16).contiguous().cpu()
-        if not (torch.isfinite(aux).all() and torch.isfinite(last).all()):
+        if not (_finite(aux) and _finite(last)):
             raise StatesError(
                 f"{self.path.name}: sample {k} has non-finite hidden states (inf or nan) -- the target "
                 "overflowed in this dtype"
@@ -134,18 +144,20 @@ class StatesWriter:
         if self.storage == "fp8_e4m3":
             aux8, aux_scale = quantize(aux, 3)
             last8, last_scale = quantize(last, 1)
-            scale = torch.cat([aux_scale, last_scale], dim=1).contiguous()
-            os.pwrite(self._fd, aux8.view(torch.uint8).numpy().tobytes(), self._starts["aux"] + row * 3 * self.hidden)
-            os.pwrite(self._fd, last8.view(torch.uint8).numpy().tobytes(), self._starts["last"] + row * self.hidden)
-            os.pwrite(self._fd, scale.numpy().tobytes(), self._starts["scale"] + row * LAYERS * 4)
+            self._pwrite(aux8.view(torch.uint8), self._starts["aux"] + row * 3 * self.hidden)
+            self._pwrite(last8.view(torch.uint8), self._starts["last"] + row * self.hidden)
+            self._pwrite(torch.cat([aux_scale, last_scale], dim=1), self._starts["scale"] + row * LAYERS * 4)
         else:
-            aux_at, last_at = (
-                self._starts["aux"] + row * 3 * self.hidden * 2,
-                self._starts["last"] + row * self.hidden * 2,
-            )
-            os.pwrite(self._fd, aux.view(torch.int16).numpy().tobytes(), aux_at)
-            os.pwrite(self._fd, last.view(torch.int16).numpy().tobytes(), last_at)
+            self._pwrite(aux.view(torch.int16), self._starts["aux"] + row * 3 * self.hidden * 2)
+            self._pwrite(last.view(torch.int16), self._starts["last"] + row * self.hidden * 2)
         self._written[k] = True
+
+    def _pwrite(self, rows: torch.Tensor, at: int) -> None:
+        """The tensor's bytes at ``at``, straight from its memory (no copy into a bytes object)."""
+        data = memoryview(rows.contiguous().numpy()).cast("B")
+        while data:  # pwrite may write less than asked (a signal, a full pipe of a FUSE disk)
+            done = os.pwrite(self._fd, data, at)
+            data, at = data[done:], at + done
 
     def commit(self) -> None:
         """Every sample written: fsync and rename into place."""

@@ -111,8 +111,15 @@ def test_writer_refuses_holes_bad_shapes_and_non_finite_values(tmp_path):
     w = StatesWriter(path, [2, 2], H)
     with pytest.raises(StatesError, match=r"sample 0 expects aux \[2, 12\]"):
         w.write(0, torch.zeros(3, 12), torch.zeros(3, 4))
-    with pytest.raises(StatesError, match="non-finite"):
-        w.write(0, torch.full((2, 12), float("nan")), torch.zeros(2, 4))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        aux = torch.zeros(2, 12)
+        aux[1, 7] = bad
+        with pytest.raises(StatesError, match="non-finite"):
+            w.write(0, aux, torch.zeros(2, 4))
+        with pytest.raises(StatesError, match="non-finite"):
+            w.write(0, torch.zeros(2, 12), aux[:, 4:8])
+    with pytest.raises(StatesError, match="non-finite"):  # finite in float32, past bf16's range once stored
+        w.write(0, torch.full((2, 12), 3.4e38), torch.zeros(2, 4))
     w.write(0, torch.zeros(2, 12), torch.zeros(2, 4))
     with pytest.raises(StatesError, match="1 samples were never written"):
         w.commit()
@@ -286,4 +293,33 @@ def test_a_truncated_tokenized_shard_is_named_before_any_work(tmp_path):
         ExtractInputError,
         match=r"shard-00001.parquet is missing or differs from what the tokenize stage wrote.*eagle3 tokenize",
     ):
+        run_stage(config, names)
+
+
+def test_cpu_threads_never_exceed_the_cores_the_process_may_use(monkeypatch):
+    import os
+
+    from eagle3.extract import hf
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {3}, raising=False)
+    assert hf.cpu_threads() == 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)), raising=False)
+    assert hf.cpu_threads() == 8, "torch's own default (physical cores, OMP_NUM_THREADS) when it is lower"
+
+
+def test_a_shard_whose_num_tokens_disagree_with_its_ids_is_named(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from eagle3.durable import sha256_file
+
+    config, names = make_run(tmp_path)
+    path = Path(config.run_dir) / "tokenized" / "shard-00001.parquet"
+    table = pq.read_table(path)
+    table = table.set_column(table.schema.get_field_index("num_tokens"), "num_tokens", pa.array([12, 31], pa.int32()))
+    pq.write_table(table, path)
+    marker = path.with_name("shard-00001.done.json")
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "parquet_sha256": sha256_file(path)}))
+    with pytest.raises(ExtractInputError, match=r"row 's1-1' has 30 input ids but num_tokens=31"):
         run_stage(config, names)
