@@ -202,7 +202,7 @@ def profile(config, names, folder, layers, name, args) -> dict:
         t = trainer(config, names, folder, layers, loss_chunk_tokens=chunk, max_steps=1)
         with tp.profile(activities=[tp.ProfilerActivity.CPU], record_shapes=True) as prof:
             t.train()
-        out[path] = breakdown(prof, target_vocab=49152, draft_vocab=train_shapes.CONFIGS[name][1], heads=9)
+        out[path] = breakdown(prof, target_vocab=49152, draft_vocab=train_shapes.CONFIGS[name][1], heads=9, hidden=576)
     return out
 
 
