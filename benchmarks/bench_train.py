@@ -1,15 +1,24 @@
-"""Drafter training throughput.
+"""Drafter training throughput, on the tiny target and at SmolLM2-135M's shapes.
 
-    .venv/bin/python benchmarks/bench_train.py [--samples 96] [--steps-ttt 7] [--repeats 3]
+    .venv/bin/python benchmarks/bench_train.py [--configs tiny,smollm2_8k,smollm2_32k] [--steps 3]
+        [--rounds 2] [--profile] [--compile] [--ddp]
 
-- The stage's trainer (``eagle3.train.trainer.Trainer``: reads tokenized Parquet and memory-mapped
-  bf16 states, computes the target distribution, TTT loss and metrics, logs a fsynced JSONL line
-  per step; checkpoints off during the timed part) against a minimal hand-written loop of the same
-  drafter on the same micro-batches, already collated in memory (forward, soft cross-entropy
-  against the same target distribution, backward, clip, AdamW). Target: trainer >= 0.9 x loop.
-- 2-process DDP on CPU (gloo) through torchrun at the same global batch, vs 1 process.
-Both sides train on the tiny Qwen3 target's real extracted states. Results:
-benchmarks/results/train.json and a table on stdout.
+- Per configuration (``train_shapes.CONFIGS``: tiny H 128 / vocab 4k / draft 4k; SmolLM2's H 576 /
+  vocab 49,152 with a draft vocabulary of 8k or 32k; K = 7, random weights at SmolLM2's shapes), in
+  a process of its own so that its peak memory is its own: the stage's trainer
+  (``eagle3.train.trainer.Trainer``: reads tokenized Parquet and memory-mapped bf16 states, the target
+  distribution, TTT loss and metrics, a fsynced JSONL line per step; checkpoints and evaluation off)
+  against a minimal hand-written loop of the same drafter on the same micro-batches, already collated
+  in memory (target logits at the draft ids, softmax, the drafter, soft cross-entropy, backward, clip,
+  AdamW). Rounds alternate loop, trainer, loop again (the A/A pair: the noise a ratio must clear),
+  the trainer with the chunked loss (``train.loss_chunk_tokens``), the trainer compiled
+  (``--compile``); the best of each side is kept. Peak RSS per side is sampled every 5 ms.
+- ``--profile``: torch.profiler over the trainer's steps at SmolLM2's shapes, its CPU time split by
+  what each op works on (the target head over 49k ids, the draft lm_head, the loss over the draft
+  vocab, attention, the rest of the drafter layer, the optimizer).
+- ``--ddp``: 2-process DDP on CPU (gloo) through torchrun at the same global batch vs 1 process,
+  on the tiny target (slow: two torchrun starts and two passes over the data each).
+Results: benchmarks/results/train.json and a table on stdout.
 """
 
 from __future__ import annotations
@@ -20,177 +29,259 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
+import train_shapes  # noqa: E402
+from train_torchrun import time_torchrun  # noqa: E402
 
-from eagle3.models import resolve_model  # noqa: E402
+from results_file import aa, write  # noqa: E402
 
 
 def make_run(work: Path, samples: int, ttt: int, epochs: int, *sets: str):
-    from safetensors.numpy import save_file
-
-    from eagle3.extract.stage import extract_shard, plan, record
-    from extract_runs import make_run as tokenized_run
-
-    rng = np.random.default_rng(0)
-    lengths = tuple(int(x) for x in rng.integers(100, 400, samples))
-    config, names = tokenized_run(
-        work,
-        (lengths[: samples // 2], lengths[samples // 2 :]),
-        "train.batch_tokens=2048",
-        f"train.ttt_steps={ttt}",
-        "train.eval_fraction=0.05",
-        f"train.epochs={epochs}",
-        "train.save_every_steps=100000",
-        "train.eval_every_steps=100000",
-        *sets,
-    )
-    the_plan = plan(config, names)
-    record(config, [extract_shard(config, s, the_plan) for s in names], the_plan)
-    vocab = Path(config.run_dir) / "vocab"
-    vocab.mkdir(exist_ok=True)
-    save_file(
-        {"d2t": np.zeros(4096, dtype=np.int64), "t2d": np.ones(4096, dtype=bool)},
-        str(vocab / "draft_vocab.safetensors"),
-    )
+    """The tiny target's run (config, shard names): what bench_cluster_train trains."""
+    config, names, _, _ = train_shapes.make_run(work, "tiny", samples, ttt, f"train.epochs={epochs}", *sets)
     return config, names
 
 
-def time_trainer(config, names) -> tuple[float, int]:
+class PeakRSS:
+    """The largest resident set size seen while the block runs (sampled every 5 ms), in bytes."""
+
+    def __enter__(self):
+        self.peak, self._stop = _rss(), threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        return self
+
+    def _watch(self):
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, _rss())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
+        self.cuda_peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+
+
+def _rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def trainer(config, names, folder, layers, **train):
     from eagle3.train.trainer import Dist, Trainer
 
-    trainer = Trainer(config, names, resolve_model("tiny:qwen3"), [1, 2, 3], Dist(), log=lambda m: None)
-    trainer.save = lambda: None  # checkpoints are not part of the loop being compared
-    trainer._evaluate = lambda epoch: None
-    started = time.perf_counter()
-    result = trainer.train()
-    return time.perf_counter() - started, result["tokens"]
+    config = config.model_copy(update={"train": config.train.model_copy(update=train)})
+    t = Trainer(config, names, folder, layers, Dist(), log=lambda m: None)
+    t.save = lambda: None  # checkpoints are not part of the loop being compared
+    t._evaluate = lambda epoch: None
+    return t
 
 
-def time_minimal_loop(config, names) -> tuple[float, int]:
-    """The same drafter, micro-batches and optimizer, with nothing but the math."""
+def time_trainer(config, names, folder, layers, **train) -> dict:
+    t = trainer(config, names, folder, layers, **train)
+    with PeakRSS() as mem:
+        started = time.perf_counter()
+        result = t.train()
+        seconds = time.perf_counter() - started
+    return {"seconds": seconds, "tokens": result["tokens"], "peak_rss": mem.peak, "cuda_peak": mem.cuda_peak}
+
+
+def minimal_loop(config, names, folder, layers, steps: int):
+    """The same drafter, micro-batches (in the trainer's order) and optimizer, with nothing but the math."""
     from eagle3.drafter.model import DrafterConfig, Eagle3Drafter
-    from eagle3.train.data import Dataset, collate, micro_batches
+    from eagle3.train.data import Dataset, collate, epoch_steps, micro_batches
     from eagle3.train.target import load_target_head
+    from eagle3.vocab.mapping import load as load_vocab
 
     tc = config.train
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(tc.seed)
-    head = load_target_head(resolve_model("tiny:qwen3"))
-    model = Eagle3Drafter(DrafterConfig.from_target(head.config, 4096, [1, 2, 3]))
-    model.init_from_target(
-        head.embed, head.lm_head, torch.zeros(4096, dtype=torch.long), torch.ones(4096, dtype=torch.bool)
-    )
+    head = load_target_head(folder)
+    d2t, t2d = (torch.from_numpy(x) for x in load_vocab(Path(config.run_dir) / "vocab" / "draft_vocab.safetensors"))
+    model = Eagle3Drafter(DrafterConfig.from_target(head.config, len(d2t), layers))
+    model.init_from_target(head.embed, head.lm_head, d2t, t2d)
+    model, head = model.to(dev), head.to(dev)
+    draft_ids = (torch.arange(len(d2t)) + d2t).to(dev)
     data = Dataset(config.run_dir, names, tc.eval_fraction, offline=True)
-    batches = [collate([data.train[j] for j in b], data) for b in micro_batches(data.train, tc.batch_tokens)]
+    batches = micro_batches(data.train, tc.batch_tokens)
+    order = [b for step in epoch_steps(len(batches), tc.seed, 0, 1, 1) for b in step[0]][:steps]
+    batches = [[t.to(dev) for t in collate([data.train[j] for j in batches[b]], data)] for b in order]
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tc.learning_rate, betas=(0.9, 0.95))
-    tokens = 0
-    started = time.perf_counter()
-    for _ in range(tc.epochs):
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
+
+    def run() -> int:
+        tokens = 0
         for ids, mask, valid, aux, last in batches:
             with torch.no_grad():
-                target = torch.softmax(head.logits(last), -1)
-            logits = model(ids, aux.float(), valid, tc.ttt_steps)
+                target = torch.softmax(head.logits(last)[..., draft_ids], -1)
+            with amp:
+                logits = model(ids, aux.float(), valid, tc.ttt_steps)
             loss = 0.0
             for k, q in enumerate(logits):
                 p = torch.zeros_like(target)
                 p[:, : target.shape[1] - 1 - k] = target[:, 1 + k :]
                 m = torch.zeros_like(mask)
                 m[:, : mask.shape[1] - 2 - k] = mask[:, 2 + k :]
-                ce = -(p * torch.log_softmax(q, -1)).sum(-1)
+                ce = -(p * torch.log_softmax(q.float(), -1)).sum(-1)
                 loss = loss + (0.8**k) * (ce * m).sum() / m.sum().clamp(min=1)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
             opt.step()
             tokens += int(valid.sum())
-    return time.perf_counter() - started, tokens
+        return tokens
+
+    return run
 
 
-def time_torchrun(config, names, nproc: int, accum: int) -> tuple[float, int]:
-    from eagle3.durable import atomic_write_json
+def time_minimal_loop(config, names, folder, layers, steps: int) -> dict:
+    run = minimal_loop(config, names, folder, layers, steps)
+    with PeakRSS() as mem:
+        started = time.perf_counter()
+        tokens = run()
+        seconds = time.perf_counter() - started
+    return {"seconds": seconds, "tokens": tokens, "peak_rss": mem.peak, "cuda_peak": mem.cuda_peak}
 
-    run = Path(config.run_dir)
-    for sub in ("checkpoints", "train"):
-        subprocess.run(["rm", "-rf", str(run / sub)], check=True)
-    request = run / "train" / "request.json"
-    config = config.model_copy(update={"train": config.train.model_copy(update={"grad_accum": accum})})
-    atomic_write_json(
-        request,
-        {
-            "config": json.loads(config.model_dump_json()),
-            "shards": names,
-            "model_path": resolve_model("tiny:qwen3"),
-            "layer_ids": [1, 2, 3],
-            "result_path": str(run / "train" / "result.json"),
-        },
+
+def one_config(name: str, args) -> dict:
+    """Every side of one configuration, alternated over rounds; the best time of each side."""
+    work = Path(tempfile.mkdtemp(prefix=f"eagle3-bench-train-{name}-"))
+    config, names, folder, layers = train_shapes.make_run(
+        work, name, args.samples, args.ttt, "train.epochs=1", f"train.max_steps={args.steps}"
     )
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
-    argv = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={nproc}",
-        "--master-addr=127.0.0.1",
-        f"--master-port={29850 + nproc}",
-        "-m",
-        "eagle3.train.worker",
-        str(request),
-    ]
-    out = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-    if out.returncode != 0:
-        raise RuntimeError(out.stdout[-2000:] + out.stderr[-2000:])
-    result = json.loads((run / "train" / "result.json").read_text())
-    return result["seconds"], result["tokens"]
+    plain = {"loss_chunk_tokens": 0}
+    sides = {
+        "loop": lambda: time_minimal_loop(config, names, folder, layers, args.steps),
+        "stage": lambda: time_trainer(config, names, folder, layers, **plain),
+        "loop_again": lambda: time_minimal_loop(config, names, folder, layers, args.steps),
+        "stage_chunked": lambda: time_trainer(config, names, folder, layers, loss_chunk_tokens=args.chunk_tokens),
+    }
+    if args.compile:
+        sides["stage_compiled"] = lambda: time_trainer(config, names, folder, layers, **plain, compile=True)
+    time_minimal_loop(config, names, folder, layers, 1)  # warm the process (allocator, page cache)
+    runs = {side: [] for side in sides}
+    for _ in range(args.rounds):
+        for side, fn in sides.items():
+            runs[side].append(fn())
+            print(f"  {name} {side}: {runs[side][-1]['seconds']:.2f} s", flush=True)
+    best = {side: min(r, key=lambda x: x["seconds"]) for side, r in runs.items()}
+    tokens = {side: b["tokens"] for side, b in best.items()}
+    assert len(set(tokens.values())) == 1, tokens
+    out = {
+        "config": name,
+        "target": train_shapes.CONFIGS[name][0],
+        "draft_vocab": train_shapes.CONFIGS[name][1],
+        "runs": runs,
+        "best": best,
+    }
+    if args.profile and name != "tiny":
+        out["profile"] = profile(config, names, folder, layers, name, args)
+    return out
+
+
+def profile(config, names, folder, layers, name, args) -> dict:
+    """The trainer's CPU time (self time of every op) split by what the op works on, over one
+    optimizer step of the plain loss and one of the chunked loss."""
+    import torch.profiler as tp
+    from train_profile import breakdown
+
+    out = {}
+    for path, chunk in (("plain", 0), ("chunked", args.chunk_tokens)):
+        t = trainer(config, names, folder, layers, loss_chunk_tokens=chunk, max_steps=1)
+        with tp.profile(activities=[tp.ProfilerActivity.CPU], record_shapes=True) as prof:
+            t.train()
+        out[path] = breakdown(prof, target_vocab=49152, draft_vocab=train_shapes.CONFIGS[name][1], heads=9, hidden=576)
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--samples", type=int, default=96)
+    parser.add_argument("--configs", default=",".join(train_shapes.CONFIGS))
+    parser.add_argument("--samples", type=int, default=64)
     parser.add_argument("--ttt", type=int, default=7)
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps per timed run")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--chunk-tokens", type=int, default=1024)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--compile", action="store_true", help="also time the trainer with train.compile=true")
+    parser.add_argument("--ddp", action="store_true", help="also time 2-process DDP vs 1 process (slow)")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # a child process: one configuration
+    parser.add_argument("--part", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "train.json"))
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="eagle3-bench-train-"))
-    config, names = make_run(work, args.samples, args.ttt, args.epochs)
     torch.set_num_threads(os.cpu_count() or 1)
-    pairs = []
-    for _ in range(args.repeats):  # alternate, best of each
-        pairs.append((time_trainer(config, names), time_minimal_loop(config, names)))
-    (stage_s, stage_tokens), (loop_s, loop_tokens) = min(p[0] for p in pairs), min(p[1] for p in pairs)
-    assert stage_tokens == loop_tokens, (stage_tokens, loop_tokens)
-    one = time_torchrun(config, names, 1, 2)
-    two = time_torchrun(config, names, 2, 1)
-    out = {
-        "samples": args.samples,
-        "ttt_steps": args.ttt,
-        "epochs": args.epochs,
-        "tokens": stage_tokens,
-        "trainer_tokens_per_s": stage_tokens / stage_s,
-        "minimal_loop_tokens_per_s": loop_tokens / loop_s,
-        "ratio": loop_s / stage_s,
-        "torchrun_1proc_accum2_tokens_per_s": one[1] / one[0],
-        "torchrun_2proc_ddp_tokens_per_s": two[1] / two[0],
-        "ddp_speedup": (two[1] / two[0]) / (one[1] / one[0]),
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    print("| measurement | tokens/s | vs reference |")
-    print("|---|---|---|")
-    print(f"| minimal hand-written loop (reference) | {out['minimal_loop_tokens_per_s']:.0f} | 1 |")
-    print(f"| stage trainer, 1 process | {out['trainer_tokens_per_s']:.0f} | {out['ratio']:.2f} |")
-    print(f"| torchrun 1 process, grad_accum 2 | {out['torchrun_1proc_accum2_tokens_per_s']:.0f} | 1 |")
-    print(
-        f"| torchrun 2 processes DDP (gloo), same global batch | {out['torchrun_2proc_ddp_tokens_per_s']:.0f} | "
-        f"{out['ddp_speedup']:.2f} |"
+    if args.one:
+        Path(args.part).write_text(json.dumps(one_config(args.one, args)))
+        return
+    results = {}
+    for name in args.configs.split(","):
+        part = Path(tempfile.mkstemp(suffix=".json")[1])
+        child = [a for a in sys.argv[1:]]
+        subprocess.run([sys.executable, __file__, *child, "--one", name, "--part", str(part)], check=True)
+        results[name] = json.loads(part.read_text())
+    ddp = None
+    if args.ddp:
+        work = Path(tempfile.mkdtemp(prefix="eagle3-bench-train-ddp-"))
+        config, names = make_run(work, 96, args.ttt, 2)
+        one, two = time_torchrun(config, names, 1, 2), time_torchrun(config, names, 2, 1)
+        ddp = {
+            "torchrun_1proc_accum2_tokens_per_s": one[1] / one[0],
+            "torchrun_2proc_ddp_tokens_per_s": two[1] / two[0],
+            "ddp_speedup": (two[1] / two[0]) / (one[1] / one[0]),
+        }
+    report(results, ddp, args)
+
+
+def report(results: dict, ddp: dict | None, args) -> None:
+    summary, rows = {}, []
+    for name, r in results.items():
+        best = r["best"]
+        tps = {side: b["tokens"] / b["seconds"] for side, b in best.items()}
+        summary[f"stage_vs_loop_{name}"] = round(tps["stage"] / tps["loop"], 3)
+        summary[f"chunked_vs_plain_{name}"] = round(tps["stage_chunked"] / tps["stage"], 3)
+        summary[f"aa_{name}"] = aa(best["loop"]["seconds"], best["loop_again"]["seconds"])
+        summary[f"peak_rss_gib_{name}"] = round(best["stage"]["peak_rss"] / 2**30, 2)
+        summary[f"peak_rss_gib_chunked_{name}"] = round(best["stage_chunked"]["peak_rss"] / 2**30, 2)
+        if "stage_compiled" in tps:
+            summary[f"compiled_vs_plain_{name}"] = round(tps["stage_compiled"] / tps["stage"], 3)
+        for side, value in tps.items():
+            rows.append((name, side, value, value / tps["loop"], best[side]["peak_rss"] / 2**30))
+    summary["aa"] = min((v for k, v in summary.items() if k.startswith("aa_")), key=lambda v: -abs(v - 1))
+    if ddp:
+        summary["ddp_speedup"] = round(ddp["ddp_speedup"], 3)
+    write(
+        args.out,
+        "train",
+        summary,
+        ttt_steps=args.ttt,
+        steps_per_run=args.steps,
+        rounds=args.rounds,
+        chunk_tokens=args.chunk_tokens,
+        weights="random at SmolLM2-135M's shapes (speed only); the tiny target's real extracted states",
+        configs=results,
+        ddp=ddp,
     )
+    print("| config | side | tokens/s | vs loop | peak RSS GiB |")
+    print("|---|---|---|---|---|")
+    for name, side, value, ratio, rss in rows:
+        print(f"| {name} | {side} | {value:.0f} | {ratio:.2f} | {rss:.2f} |")
+    for name, r in results.items():
+        for path, prof in r.get("profile", {}).items():
+            print(f"profile {name} {path}: " + ", ".join(f"{k} {v:.0%}" for k, v in prof["share"].items()))
+    if ddp:
+        print(f"DDP 2 processes vs 1 (tiny, same global batch): {ddp['ddp_speedup']:.2f}")
 
 
 if __name__ == "__main__":

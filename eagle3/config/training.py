@@ -192,6 +192,24 @@ class TrainConfig(_Strict):
         ),
     )
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step per process.")
+    loss_chunk_tokens: int = Field(
+        1024,
+        ge=0,
+        description=(
+            "Rows per chunk of the fused lm_head + soft cross-entropy and of the target head (train.chunked): the "
+            "same loss and gradients without the fp32 [tokens, vocab] logits per TTT step, on counted rows only. "
+            "On by default: at SmolLM2's shapes with a 32k draft vocab it halves the loss's peak memory at the same "
+            "speed within the noise (benchmarks/bench_train.py). 0: the plain path (full logits per step). 1024 "
+            "rows x a 32k draft vocab is 128 MB of fp32 per temporary."
+        ),
+    )
+    compile: bool = Field(
+        False,
+        description=(
+            "torch.compile the drafter's forward (dynamic shapes: micro-batch lengths vary). Off by default: on CPU "
+            "the compile takes longer than it saves in a short run (benchmarks/bench_train.py --compile)."
+        ),
+    )
     eval_fraction: float = Field(
         0.05,
         gt=0,

@@ -221,17 +221,17 @@ class Eagle3Drafter(nn.Module):
     def trainable_state(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in self.state_dict().items() if k != "embed_tokens.weight"}
 
-    def forward(
-        self, input_ids: torch.Tensor, aux: torch.Tensor, valid: torch.Tensor, steps: int
-    ) -> list[torch.Tensor]:
-        return self.ttt_logits(input_ids, aux, valid, steps)
+    def forward(self, input_ids: torch.Tensor, aux: torch.Tensor, valid: torch.Tensor, steps: int, head=None) -> list:
+        return self.ttt_logits(input_ids, aux, valid, steps, head)
 
     def ttt_logits(
-        self, input_ids: torch.Tensor, aux: torch.Tensor, valid: torch.Tensor, steps: int
-    ) -> list[torch.Tensor]:
+        self, input_ids: torch.Tensor, aux: torch.Tensor, valid: torch.Tensor, steps: int, head=None
+    ) -> list:
         """Draft logits [B, T, draft_vocab] for each of ``steps`` TTT steps (see module doc).
 
-        input_ids [B,T] (the data tokens), aux [B,T,3H_target], valid [B,T] bool (real tokens)."""
+        input_ids [B,T] (the data tokens), aux [B,T,3H_target], valid [B,T] bool (real tokens).
+        ``head(step, normed_hidden, lm_head_weight)``, when given, replaces the lm_head and its
+        result is returned per step instead of the logits (the chunked loss: see train.chunked)."""
         B, T = input_ids.shape
         layer, attn = self.midlayer, self.midlayer.self_attn
         hidden = self.fc(aux.to(self.fc.weight.dtype))
@@ -249,7 +249,8 @@ class Eagle3Drafter(nn.Module):
                 chain_v.append(v)
             a = attn.chain_attention(q, k0, v0, chain_k, chain_v, valid)
             hidden = layer.after_attention(a, residual)
-            out.append(self.lm_head(self.norm(hidden)))
+            normed = self.norm(hidden)
+            out.append(self.lm_head(normed) if head is None else head(step, normed, self.lm_head.weight))
         return out
 
 

@@ -38,6 +38,7 @@ from eagle3.durable import (
     writing,
 )
 from eagle3.layout import RunLayout
+from eagle3.train.chunked import ChunkedTTTLoss, chunked_target_view
 from eagle3.train.data import (
     Dataset,
     collate,
@@ -145,6 +146,10 @@ class Trainer:
         )
 
     def _wrap(self):
+        wrapped = self._distributed()
+        return torch.compile(wrapped, dynamic=True) if self.tc.compile else wrapped
+
+    def _distributed(self):
         if self.dist.world == 1:
             return self.model
         if self.tc.strategy == "fsdp":
@@ -173,10 +178,18 @@ class Trainer:
                 )  # as if stored
         dev = self.dist.device
         ids, mask, valid, aux, last = ids.to(dev), mask.to(dev), valid.to(dev), aux.to(dev).float(), last.to(dev)
+        chunk, K = self.tc.loss_chunk_tokens, self.tc.ttt_steps
         with torch.no_grad():
-            view = target_view(self.target.logits(last), self.model.d2t, self.model.t2d)
+            if chunk:
+                view = chunked_target_view(self.target, last, self.model.d2t, self.model.t2d, chunk)
+            else:
+                view = target_view(self.target.logits(last), self.model.d2t, self.model.t2d)
+        if chunk:  # the loss runs inside the drafter's forward, where DDP/FSDP see its lm_head weight
+            head = ChunkedTTTLoss(view, mask, self.model.d2t, self.tc.step_weight_decay, global_counts, K, chunk)
+            with self.autocast:
+                return head.finish(self.wrapped(ids, aux, valid, K, head=head))
         with self.autocast:  # through the wrapper's forward, so DDP/FSDP hooks run
-            logits = self.wrapped(ids, aux, valid, self.tc.ttt_steps)
+            logits = self.wrapped(ids, aux, valid, K)
         return ttt_loss(logits, view, mask, self.model.d2t, self.tc.step_weight_decay, global_counts)
 
     # -- the loop --------------------------------------------------------------------------
