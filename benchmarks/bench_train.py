@@ -1,7 +1,7 @@
 """Drafter training throughput, on the tiny target and at SmolLM2-135M's shapes.
 
-    .venv/bin/python benchmarks/bench_train.py [--configs tiny,smollm2_8k,smollm2_32k] [--steps 3]
-        [--rounds 2] [--profile] [--compile] [--ddp]
+    .venv/bin/python benchmarks/bench_train.py [--configs tiny,smollm2_8k,smollm2_32k] [--steps 2]
+        [--rounds 3] [--samples 32] [--profile] [--compile] [--ddp]
 
 - Per configuration (``train_shapes.CONFIGS``: tiny H 128 / vocab 4k / draft 4k; SmolLM2's H 576 /
   vocab 49,152 with a draft vocabulary of 8k or 32k; K = 7, random weights at SmolLM2's shapes), in
@@ -209,10 +209,10 @@ def profile(config, names, folder, layers, name, args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--configs", default=",".join(train_shapes.CONFIGS))
-    parser.add_argument("--samples", type=int, default=64)
+    parser.add_argument("--samples", type=int, default=32)
     parser.add_argument("--ttt", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=3, help="optimizer steps per timed run")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=2, help="optimizer steps per timed run")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--chunk-tokens", type=int, default=1024)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--compile", action="store_true", help="also time the trainer with train.compile=true")
