@@ -296,12 +296,14 @@ def _client(
     )
 
 
-class StatusError(Exception):
-    """The server answered with an HTTP error status; ``body`` is its JSON, or its text when not JSON."""
+class StatusError(Eagle3Error):
+    """The server answered with an HTTP error status; ``body`` is its JSON, or its text when not JSON.
+    Transient or not per instance, by its code (TRANSIENT_STATUS and 5xx are), as ``classify`` reads it."""
 
     def __init__(self, response: httpx.Response):
         self.response = response
         self.status_code = response.status_code
+        self.transient = self.status_code in TRANSIENT_STATUS or self.status_code >= 500
         text = response.text.strip()
         try:
             self.body: Any = json.loads(text)
@@ -342,8 +344,7 @@ def classify(exc: BaseException) -> Failure:
         return Failure(kind, f"{type(exc).__name__}: {exc}", True)
     if isinstance(exc, StatusError):
         code = exc.status_code
-        transient = code in TRANSIENT_STATUS or code >= 500
-        return Failure(f"http_{code}", _server_message(exc), transient, _retry_after(exc.response))
+        return Failure(f"http_{code}", _server_message(exc), exc.transient, _retry_after(exc.response))
     if isinstance(exc, Failure):
         return exc
     return Failure("bad_response", f"{type(exc).__name__}: {exc}", True)

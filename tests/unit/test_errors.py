@@ -27,7 +27,7 @@ from eagle3.errors import (
 # error reaches the pipeline as its last stderr line, raised there as VllmExtractError).
 OUTSIDE = {"eagle3.extract.vllm_worker", "eagle3.extract.vllm_connector"}
 # Classes whose instances differ: a generation request fails transiently (timeout, 5xx) or not (400).
-PER_INSTANCE = {"eagle3.generate.client.Failure"}
+PER_INSTANCE = {"eagle3.generate.client.Failure", "eagle3.generate.client.StatusError"}
 
 
 def _modules():
