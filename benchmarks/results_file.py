@@ -28,14 +28,20 @@ REQUIRED = ("benchmark", "commit", "date", "machine", "command", "summary")
 MACHINE_FIELDS = ("cores", "memory_bytes", "platform", "python", "torch")
 
 
+# Changes that do not change what a benchmark runs: other results files (a `make bench` run writes them
+# one after another) and prose. They do not make a commit "+dirty".
+NOT_CODE = (":(exclude)benchmarks/results", ":(exclude)*.md")
+
+
 def commit() -> str:
-    """HEAD, with ``+dirty`` when a tracked file differs from it (untracked files do not count)."""
+    """HEAD, with ``+dirty`` when a tracked file other than results and prose differs from it (untracked
+    files do not count)."""
 
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
 
     head = git("rev-parse", "HEAD") or "unknown"
-    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no", "--", ".", *NOT_CODE) else "")
 
 
 def _version(name: str) -> str | None:
