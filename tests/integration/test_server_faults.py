@@ -38,6 +38,7 @@ import fake_openai
 p = argparse.ArgumentParser()
 for flag in ("--model", "--host", "--port", "--served-model-name", "--fake-config-file"):
     p.add_argument(flag)
+p.add_argument("--disable-uvicorn-access-log", action="store_true")  # server.access_log off (the default)
 a = p.parse_args()
 cfg = json.loads(open(a.fake_config_file).read())
 cfg.update(model=a.served_model_name or a.model, api_key=os.environ["VLLM_API_KEY"])
