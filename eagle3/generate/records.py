@@ -75,7 +75,7 @@ class JsonlAppender:
 
     def append(self, record: dict, sync: bool = True) -> bool:
         """Write and flush one record. With ``sync=False`` the caller runs the due fsync itself
-        (``sync_soon``) and this returns whether one is due."""
+        (``sync_behind``) and this returns whether one is due."""
         self._write((json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8"))
         self._unsynced += 1
         due = self._unsynced >= self._fsync_every
@@ -123,14 +123,6 @@ class JsonlAppender:
         if self._unsynced:
             with self._fsyncing() as fd:
                 os.fsync(fd)
-
-    async def sync_soon(self) -> None:
-        """fsync in a worker thread: an event loop blocked in fsync stalls every request in flight."""
-        import asyncio
-
-        if self._unsynced and self._fd is not None:
-            with self._fsyncing() as fd:
-                await asyncio.to_thread(os.fsync, fd)
 
     def sync_behind(self) -> None:
         """Start the due fsync in a worker thread and return at once (event loop only); see the module
