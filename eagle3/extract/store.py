@@ -72,6 +72,10 @@ def _finite(x: torch.Tensor) -> bool:
     return bool(torch.isfinite(low) and torch.isfinite(high))
 
 
+def _non_finite(path: Path, k: int) -> str:
+    return f"{path.name}: sample {k} has non-finite hidden states (inf or nan) -- the target overflowed in this dtype"
+
+
 def dequantize(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The inverse of ``quantize``, as bf16."""
     n, groups = scale.shape
@@ -136,10 +140,7 @@ class StatesWriter:
             )
         aux, last = aux.to(torch.bfloat16).contiguous().cpu(), last.to(torch.bfloat16).contiguous().cpu()
         if not (_finite(aux) and _finite(last)):
-            raise StatesError(
-                f"{self.path.name}: sample {k} has non-finite hidden states (inf or nan) -- the target "
-                "overflowed in this dtype"
-            )
+            raise StatesError(_non_finite(self.path, k))
         row = int(self.offsets[k])
         if self.storage == "fp8_e4m3":
             aux8, aux_scale = quantize(aux, 3)
@@ -152,9 +153,54 @@ class StatesWriter:
             self._pwrite(last.view(torch.int16), self._starts["last"] + row * self.hidden * 2)
         self._written[k] = True
 
+    def write_batch(self, samples: list[int], aux: torch.Tensor, last: torch.Tensor) -> None:
+        """A right-padded batch at once: sample ``samples[b]``'s rows are ``aux[b, :n]`` and
+        ``last[b, :n]`` (aux [B, T, 3H], last [B, T, H]). The same checks and bytes as ``write`` per
+        sample, with the per-batch work done once: one finiteness pass over the whole batch (a
+        non-finite value, padding included, sends it to the per-sample check, which names the
+        sample and ignores the padding) and, in fp8, one quantization. Per sample only its
+        ``pwrite`` calls remain, which on a small target is what keeps storing near free."""
+        batch, longest = len(samples), aux.shape[1] if aux.dim() == 3 else -1
+        want = {"aux": (batch, longest, 3 * self.hidden), "last": (batch, longest, self.hidden)}
+        for name, t in (("aux", aux), ("last", last)):
+            if tuple(t.shape) != want[name]:
+                raise StatesError(
+                    f"{self.path.name}: batch of {batch} expects {name} {list(want[name])}, got {list(t.shape)}"
+                )
+        counts = [int(self.offsets[k + 1] - self.offsets[k]) for k in samples]
+        if max(counts, default=0) > longest:
+            k = samples[counts.index(max(counts))]
+            raise StatesError(
+                f"{self.path.name}: sample {k} has {max(counts)} tokens but its batch only {longest} positions"
+            )
+        aux, last = aux.to(torch.bfloat16).contiguous().cpu(), last.to(torch.bfloat16).contiguous().cpu()
+        if not (_finite(aux) and _finite(last)):
+            for b, (k, n) in enumerate(zip(samples, counts)):
+                if not (_finite(aux[b, :n]) and _finite(last[b, :n])):
+                    raise StatesError(_non_finite(self.path, k))
+        h = self.hidden
+
+        def rows(t: torch.Tensor) -> np.ndarray:  # [B, T, bytes per token] of a tensor's memory
+            return t.contiguous().view(torch.uint8).numpy().reshape(batch, longest, -1)
+
+        if self.storage == "fp8_e4m3":
+            aux8, aux_scale = quantize(aux.reshape(batch * longest, 3 * h), 3)
+            last8, last_scale = quantize(last.reshape(batch * longest, h), 1)
+            scale = torch.cat([aux_scale, last_scale], 1)
+            parts = ((rows(aux8), "aux", 3 * h), (rows(last8), "last", h), (rows(scale), "scale", LAYERS * 4))
+        else:
+            parts = ((rows(aux), "aux", 6 * h), (rows(last), "last", 2 * h))
+        for b, (k, n) in enumerate(zip(samples, counts)):
+            row = int(self.offsets[k])
+            for data, name, width in parts:
+                self._pwrite_bytes(memoryview(data[b, :n]).cast("B"), self._starts[name] + row * width)
+            self._written[k] = True
+
     def _pwrite(self, rows: torch.Tensor, at: int) -> None:
         """The tensor's bytes at ``at``, straight from its memory (no copy into a bytes object)."""
-        data = memoryview(rows.contiguous().numpy()).cast("B")
+        self._pwrite_bytes(memoryview(rows.contiguous().numpy()).cast("B"), at)
+
+    def _pwrite_bytes(self, data: memoryview, at: int) -> None:
         while data:  # pwrite may write less than asked (a signal, a full pipe of a FUSE disk)
             done = os.pwrite(self._fd, data, at)
             data, at = data[done:], at + done

@@ -126,6 +126,76 @@ def test_writer_refuses_holes_bad_shapes_and_non_finite_values(tmp_path):
     assert not path.exists() and not list(tmp_path.iterdir()), "no final file and no temp file left behind"
 
 
+def _padded(data, lengths, order):
+    """``data``'s samples in ``order`` as one right-padded batch, the padding filled with noise."""
+    longest = max(lengths[k] for k in order)
+    width_aux, width_last = data[0][0].shape[1], data[0][1].shape[1]
+    aux, last = torch.randn(len(order), longest, width_aux), torch.randn(len(order), longest, width_last)
+    for b, k in enumerate(order):
+        aux[b, : lengths[k]], last[b, : lengths[k]] = data[k]
+    return aux, last
+
+
+@pytest.mark.parametrize("storage", ["bfloat16", "fp8_e4m3"])
+def test_a_batch_written_whole_gives_the_same_bytes_as_sample_by_sample(tmp_path, storage):
+    H, lengths = 8, [3, 5, 2, 4]
+    data = [(torch.randn(n, 3 * H) * (k + 1), torch.randn(n, H)) for k, n in enumerate(lengths)]
+    one, whole = tmp_path / "one.safetensors", tmp_path / "whole.safetensors"
+    with StatesWriter(one, lengths, H, {"model": "m"}, storage) as w:
+        for k in range(len(lengths)):
+            w.write(k, *data[k])
+        w.commit()
+    with StatesWriter(whole, lengths, H, {"model": "m"}, storage) as w:
+        w.write_batch([1, 3], *_padded(data, lengths, [1, 3]))  # out of order, padded to 5 rows
+        w.write_batch([2, 0], *_padded(data, lengths, [2, 0]))
+        w.commit()
+    assert whole.read_bytes() == one.read_bytes()
+
+
+def test_a_batch_with_non_finite_padding_is_stored_and_a_non_finite_sample_is_named(tmp_path):
+    H, lengths = 4, [2, 3]
+    data = [(torch.randn(n, 3 * H), torch.randn(n, H)) for n in lengths]
+    w = StatesWriter(tmp_path / "s.safetensors", lengths, H)
+    aux, last = _padded(data, lengths, [1, 0])
+    aux[1, 2, 0] = float("nan")  # sample 0 has 2 rows: row 2 is padding
+    last[1, 2, 1] = float("inf")
+    w.write_batch([1, 0], aux, last)
+    w.commit()
+    got = ShardStates(tmp_path / "s.safetensors").sample(0)
+    assert torch.equal(got[0], data[0][0].to(torch.bfloat16)) and torch.equal(got[1], data[0][1].to(torch.bfloat16))
+    w = StatesWriter(tmp_path / "t.safetensors", lengths, H)
+    aux, last = _padded(data, lengths, [0, 1])
+    last[1, 2, 3] = float("nan")  # sample 1's last row
+    with pytest.raises(StatesError, match="sample 1 has non-finite"):
+        w.write_batch([0, 1], aux, last)
+    with pytest.raises(StatesError, match=r"expects aux \[2, 3, 12\], got \[2, 3, 8\]"):
+        w.write_batch([0, 1], aux[:, :, :8], last)
+    with pytest.raises(StatesError, match="sample 1 has 3 tokens but its batch only 2"):
+        w.write_batch([0, 1], aux[:, :2], last[:, :2])
+    w.abort()
+
+
+def test_writes_behind_a_thread_return_every_result_and_raise_a_writes_error():
+    from eagle3.extract.stage import WRITE_AHEAD, _writes
+
+    seen = []
+    with _writes(True, "s") as submit:
+        for k in range(7):
+            seen += submit(lambda k=k: k)
+            assert len(seen) >= k - WRITE_AHEAD  # never more than WRITE_AHEAD waiting
+        seen += submit(None)
+    assert sorted(seen) == list(range(7))
+
+    def fail():
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"), _writes(True, "s") as submit:
+        for _ in range(WRITE_AHEAD + 2):
+            submit(fail)
+    with _writes(False, "s") as submit:
+        assert submit(lambda: 3) == [3] and submit(None) == []
+
+
 def run_stage(config, names):
     from eagle3.extract.stage import check_disk, extract_shard, plan
 
@@ -173,21 +243,21 @@ def test_a_killed_extraction_leaves_no_complete_looking_shard(tmp_path, monkeypa
     from eagle3.extract import store
 
     config, names = make_run(tmp_path)
-    real, calls = store.StatesWriter.write, {"n": 0}
+    real, calls = store.StatesWriter._pwrite_bytes, {"n": 0}
 
-    def dies_after_two(self, k, aux, last):
-        if calls["n"] == 2:
+    def dies_after_three(self, data, at):  # killed in the middle of a batch's writes
+        if calls["n"] == 3:
             raise KeyboardInterrupt("killed")
         calls["n"] += 1
-        return real(self, k, aux, last)
+        return real(self, data, at)
 
-    monkeypatch.setattr(store.StatesWriter, "write", dies_after_two)
+    monkeypatch.setattr(store.StatesWriter, "_pwrite_bytes", dies_after_three)
     with pytest.raises(KeyboardInterrupt):
         run_stage(config, names)
     out = Path(config.run_dir) / "hidden_states"
     assert not (out / "shard-00000.safetensors").exists() and not (out / "shard-00000.done.json").exists()
     assert not list(out.glob(".*partial")), "the partial file is removed"
-    monkeypatch.setattr(store.StatesWriter, "write", real)
+    monkeypatch.setattr(store.StatesWriter, "_pwrite_bytes", real)
     _, results = run_stage(config, names)
     assert [r.ok for r in results] == [5, 2]
 
