@@ -103,9 +103,20 @@ class Endpoint:
     drops: int = 0  # connection failures since the last answer
     probe: asyncio.Task | None = None
 
+    urls: dict[str, httpx.URL] = field(default_factory=dict)  # route -> its absolute URL, parsed once
+
     def __post_init__(self) -> None:
         self.busy = [0] * len(self.clients)
         self.free = [i for i in reversed(range(len(self.clients))) for _ in range(self.per_client)]
+
+    def url(self, path: str) -> httpx.URL:
+        """``path`` under this replica's base URL, parsed once: httpx parses and quotes a string path
+        and merges it with the client's base URL on every request (~40 us of CPU, ~4% of a request's
+        client cost against an instant server; benchmarks/bench_generation.py)."""
+        url = self.urls.get(path)
+        if url is None:
+            url = self.urls[path] = httpx.URL(self.base_url.rstrip("/") + "/" + path.lstrip("/"))
+        return url
 
     def take(self) -> int:
         """A client for one more request: a free slot's, else the least busy one's (over its limit)."""
@@ -418,7 +429,7 @@ async def _post(lease: Lease, path: str, body: dict, deadline: float) -> dict:
     """One attempt: POST the body as JSON and read the whole answer, all inside the deadline."""
     content = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
     async with asyncio.timeout(deadline):
-        response = await lease.client.post(path, content=content)
+        response = await lease.client.post(lease.endpoint.url(path), content=content)
     if response.status_code >= 400:
         raise StatusError(response)
     try:

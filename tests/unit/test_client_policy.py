@@ -121,3 +121,14 @@ def test_a_request_takes_a_free_connection_slot_and_gives_it_back():
     assert not e.free, "a release above the limit frees no slot"
     pool.release(leases[0])
     assert e.free == [leases[0].index] and pool.acquire().index == leases[0].index  # the same client, reused
+
+
+@pytest.mark.parametrize("base", ["http://a:8000/v1", "http://a:8000/v1/"])
+def test_a_route_is_the_replicas_base_url_and_path_parsed_once(base):
+    pool = EndpointPool([base], None, max_connections=4, deadline=10)
+    (e,) = pool.endpoints
+    url = e.url("chat/completions")
+    assert str(url) == "http://a:8000/v1/chat/completions" and e.url("chat/completions") is url
+    assert e.url("/chat/completions") == url
+    client = e.clients[0]  # the same URL the client's own base-URL merge gives
+    assert client.build_request("POST", "chat/completions").url == url

@@ -106,3 +106,15 @@ def test_an_fsync_behind_runs_every_n_records_and_its_failure_is_raised(tmp_path
 
     asyncio.run(run())
     assert [r["id"] for r in read_records(path)] == [0, 1, 2, 3]
+
+
+def test_a_record_line_is_the_compact_utf8_json_of_the_record(tmp_path):
+    import json
+
+    path = tmp_path / "s.jsonl"
+    record = {"id": "p-1", "ids": [1, 2, 3], "text": 'ünï "quoted"\n', "x": 0.25, "none": None, "n": {1: "a"}}
+    with JsonlAppender(path) as writer:
+        writer.append(record)
+    line = path.read_bytes()
+    assert line == (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+    assert json.loads(line) == {**record, "n": {"1": "a"}}
