@@ -28,9 +28,13 @@
 - Threads: the stage's own choice (``eagle3.extract.hf.cpu_threads``: one per usable core) unless
   ``--threads``; on a 2-core machine that others load, two threads that wait on each other made the
   same forward 3-10x slower and the ratios noise, so measurements there use ``--threads 1``.
-- ``--vllm``: the vLLM backend on the tiny target at a small size (each call starts a vLLM
-  engine, ~30 s on CPU, which dominates any size this machine can run): the stage against
-  ``extract_with_vllm`` alone on the same samples, after a warm-up call, with an A/A pair.
+- ``--vllm``: the vLLM backend on the tiny target (each call starts a vLLM engine, ~30 s on CPU,
+  which dominates any size this machine can run): the stage against ``extract_with_vllm`` alone on
+  the same samples, ``--rounds`` x (bare, stage, bare) after a warm-up call; medians. The worker's
+  own timing lines split each call: engine start, extraction phase, and the time outside the
+  worker (``*_own_s``: writing the request, reading the states back, and for the stage, storing
+  them). ``stage_own_vs_extract_phase`` is the stage's extra time outside the worker over the
+  extraction phase: what the stage adds to vLLM's forward, with the engine start taken out.
 Results: benchmarks/results/extract.json and a table on stdout.
 """
 
@@ -39,8 +43,10 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import os
 import random
+import re
 import shutil
 import statistics
 import sys
@@ -211,8 +217,28 @@ def measure(target: str, work: Path, samples: int, rounds: int, fp8: bool, threa
     return out
 
 
-def measure_vllm(work: Path, samples: int) -> dict:
-    """The vLLM backend at a small size: the stage against extract_with_vllm alone (each starts an engine)."""
+class _WorkerLines(logging.Handler):
+    """The vLLM worker's timing lines as they are logged: engine start, extraction phase, whole run."""
+
+    PATTERNS = {
+        "engine_s": re.compile(r"engine ready in ([0-9.]+) s"),
+        "extract_s": re.compile(r"extracted \d+ samples in ([0-9.]+) s"),
+        "worker_s": re.compile(r"vLLM worker finished in ([0-9.]+) s"),
+    }
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.seen: dict[str, float] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        for name, pattern in self.PATTERNS.items():
+            if m := pattern.search(record.getMessage()):
+                self.seen[name] = float(m.group(1))
+
+
+def measure_vllm(work: Path, samples: int, rounds: int) -> dict:
+    """The vLLM backend on the tiny target: the stage against extract_with_vllm alone on the same
+    samples (each call starts an engine), ``rounds`` x (bare, stage, bare) after a warm-up call."""
     from eagle3.extract.stage import _num_layers, model_path, plan
     from eagle3.extract.vllm_backend import extract_with_vllm
 
@@ -224,25 +250,47 @@ def measure_vllm(work: Path, samples: int) -> dict:
     table = pq.read_table(run / "tokenized" / SHARD, columns=["id", "input_ids"])
     pairs = list(zip(table.column("id").to_pylist(), table.column("input_ids").to_pylist()))
     layers = [*the_plan.layer_ids, _num_layers(config)]
+    lines = _WorkerLines()
+    logging.getLogger("eagle3").addHandler(lines)
+    logging.getLogger("eagle3").setLevel(logging.INFO)
 
-    def bare() -> float:
+    def timed(call) -> dict:
+        lines.seen = {}
         started = time.perf_counter()
-        extract_with_vllm(
-            config.server.python, model_path(config), layers, pairs, work / "vllm-bare", config.extract.timeout_s,
-            env=dict(config.server.env),
+        call()
+        return {"wall_s": round(time.perf_counter() - started, 2), **lines.seen}
+
+    def bare() -> dict:
+        return timed(
+            lambda: extract_with_vllm(
+                config.server.python, model_path(config), layers, pairs, work / "vllm-bare",
+                config.extract.timeout_s, env=dict(config.server.env), log=logging.getLogger("eagle3.bench"),
+            )
         )  # fmt: skip
-        return time.perf_counter() - started
 
     bare()  # warm-up: the first engine start pays cold caches (measured 75 s against 30 s after)
-    bare_s, stage_s, again_s = bare(), stage_once(config)[0], bare()
+    per_round = []
+    for _ in range(rounds):
+        per_round.append({"bare": bare(), "stage": timed(lambda: stage_once(config)), "bare_again": bare()})
+    logging.getLogger("eagle3").removeHandler(lines)
+
+    def median(f) -> float:
+        return statistics.median(f(r) for r in per_round)
+
+    def own(call: dict) -> float:  # the call's time outside its vLLM worker: request, read back, store
+        return call["wall_s"] - call["worker_s"]
+
     return {
         "samples": samples,
         "tokens": sum(lengths),
-        "bare_s": round(bare_s, 2),
-        "stage_s": round(stage_s, 2),
-        "bare_again_s": round(again_s, 2),
-        "stage_vs_bare": bare_s / stage_s,
-        "aa": results_file.aa(bare_s, again_s),
+        "rounds": per_round,
+        "stage_vs_bare": median(lambda r: r["bare"]["wall_s"] / r["stage"]["wall_s"]),
+        "aa": median(lambda r: results_file.aa(r["bare"]["wall_s"], r["bare_again"]["wall_s"])),
+        "engine_s": median(lambda r: r["stage"]["engine_s"]),
+        "extract_phase_s": median(lambda r: r["stage"]["extract_s"]),
+        "stage_own_s": median(lambda r: own(r["stage"])),
+        "bare_own_s": median(lambda r: own(r["bare"])),
+        "stage_own_vs_extract_phase": median(lambda r: (own(r["stage"]) - own(r["bare"])) / r["stage"]["extract_s"]),
     }
 
 
@@ -260,7 +308,7 @@ def main() -> None:
         "machine others load, where threads waiting on each other's cores dominate (measured 3-10x slower)",
     )
     parser.add_argument("--vllm", action="store_true", help="also the vLLM backend (tiny target, small size)")
-    parser.add_argument("--vllm-samples", type=int, default=16)
+    parser.add_argument("--vllm-samples", type=int, default=1000)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "extract.json"))
     args = parser.parse_args()
     sizes = dict(kv.split("=") for kv in args.samples.split(","))
@@ -272,7 +320,7 @@ def main() -> None:
                 notes.append(f"smollm2 skipped: {SMOLLM2} not found (make real-target builds it)")
                 continue
             targets[target] = measure(target, work, int(sizes[target]), args.rounds, not args.no_fp8, args.threads)
-        vllm = measure_vllm(work, args.vllm_samples) if args.vllm else None
+        vllm = measure_vllm(work, args.vllm_samples, args.rounds) if args.vllm else None
     finally:
         shutil.rmtree(work, ignore_errors=True)
     summary = {}
@@ -294,6 +342,7 @@ def main() -> None:
     if vllm:
         summary["vllm_tiny_stage_vs_bare"] = round(vllm["stage_vs_bare"], 4)
         summary["vllm_tiny_aa"] = vllm["aa"]
+        summary["vllm_tiny_stage_own_vs_extract_phase"] = round(vllm["stage_own_vs_extract_phase"], 4)
     results_file.write(
         args.out,
         "extract",
