@@ -59,7 +59,7 @@ BENCH_LONG := load real_target training_data fp8
 bench: venv $(if $(LONG),venv-vllm real-target)
 	@set -e; for b in $(BENCH_SHORT) $(if $(LONG),$(BENCH_LONG)); do \
 		echo "== benchmarks/bench_$$b.py"; \
-		case $$b in train) args=--profile;; fp8) args=--live;; *) args=;; esac; \
+		case $$b in train) args=--profile;; fp8) args=--live;; extract) args="$(if $(LONG),--vllm)";; *) args=;; esac; \
 		time $(VENV)/bin/python benchmarks/bench_$$b.py $$args; \
 	done
 	@$(VENV)/bin/python benchmarks/table.py
