@@ -28,13 +28,14 @@
 - Threads: the stage's own choice (``eagle3.extract.hf.cpu_threads``: one per usable core) unless
   ``--threads``; on a 2-core machine that others load, two threads that wait on each other made the
   same forward 3-10x slower and the ratios noise, so measurements there use ``--threads 1``.
-- ``--vllm``: the vLLM backend on the tiny target (each call starts a vLLM engine, ~30 s on CPU,
-  which dominates any size this machine can run): the stage against ``extract_with_vllm`` alone on
-  the same samples, ``--rounds`` x (bare, stage, bare) after a warm-up call; medians. The worker's
-  own timing lines split each call: engine start, extraction phase, and the time outside the
-  worker (``*_own_s``: writing the request, reading the states back, and for the stage, storing
-  them). ``stage_own_vs_extract_phase`` is the stage's extra time outside the worker over the
-  extraction phase: what the stage adds to vLLM's forward, with the engine start taken out.
+- ``--vllm``: the vLLM backend on the tiny target (each call starts a vLLM engine, ~3 s on CPU
+  plus ~6 s of imports): the stage (its shard in ``extract.vllm_chunk_tokens`` chunks, 5 here,
+  from one worker) against ``extract_with_vllm`` alone on the same samples (one chunk, nothing
+  stored), ``--rounds`` x (bare, stage, bare) after a warm-up call; medians. The worker's own
+  timing lines split each call: engine start, extraction phase (its chunks added up), and the time
+  outside the worker (``*_own_s``: writing the request, reading the states back, and for the
+  stage, storing them). ``stage_own_vs_extract_phase`` is the stage's extra time outside the
+  worker over the extraction phase: what the stage adds to vLLM's forward, engine start aside.
 Results: benchmarks/results/extract.json and a table on stdout.
 """
 
@@ -232,8 +233,8 @@ class _WorkerLines(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         for name, pattern in self.PATTERNS.items():
-            if m := pattern.search(record.getMessage()):
-                self.seen[name] = float(m.group(1))
+            if m := pattern.search(record.getMessage()):  # a chunked run: its chunks' phases added up
+                self.seen[name] = self.seen.get(name, 0.0) + float(m.group(1))
 
 
 def measure_vllm(work: Path, samples: int, rounds: int) -> dict:

@@ -112,17 +112,18 @@ class ExtractConfig(_Strict):
         65536,
         gt=0,
         description=(
-            "vllm backend: tokens per worker run. Each run starts vLLM once (30-60 s on CPU, minutes for a large GPU "
-            "target) and holds its chunk's states in memory (tokens x 4 x hidden x 4 bytes: 4 GiB at 64k tokens "
-            "for hidden 4096), so this trades start-up time against memory."
+            "vllm backend: tokens per chunk. One worker per shard starts vLLM once (10-60 s on CPU, minutes for a "
+            "large GPU target) and extracts the chunks in turn, handing each over as it finishes; a chunk's states "
+            "are held in memory (tokens x 4 x hidden x 4 bytes: 4 GiB at 64k tokens for hidden 4096), about two "
+            "chunks at a time (one stored while the next is computed), so this bounds memory and disk."
         ),
     )
     timeout_s: float = Field(
         7200.0,
         gt=0,
         description=(
-            "Deadline for one vllm backend worker run (one chunk): it is killed and the shard fails, to be retried, "
-            "after this."
+            "Deadline for each chunk of the vllm backend's worker (the first includes starting vLLM): past it the "
+            "worker is killed and the shard fails, to be retried."
         ),
     )
 

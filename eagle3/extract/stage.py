@@ -341,43 +341,49 @@ def _report(log, shard: str, done: int, total: int, last_log: float, progress) -
 
 
 def _fill_with_vllm(config, shard: str, ids, seqs, the_plan: Plan, writer: StatesWriter, log) -> None:
-    """vLLM's own extraction, in chunks of ``vllm_chunk_tokens`` (one worker run each)."""
+    """vLLM's own extraction, one worker (one vLLM start) per shard, in chunks of
+    ``vllm_chunk_tokens`` that it hands over one by one: each is stored while the next is computed."""
     import torch
 
-    from eagle3.extract.vllm_backend import extract_with_vllm
+    from eagle3.extract.vllm_backend import stream_with_vllm
 
     hs = config.extract
     layers = [*the_plan.layer_ids, _num_layers(config)]
     work = RunLayout.of(config).vllm_work(shard)
-    chunks, current, tokens = [], [], 0
-    for k, seq in enumerate(seqs):
+    chunks, current, tokens = [], 0, 0
+    for seq in seqs:
         if current and tokens + len(seq) > hs.vllm_chunk_tokens:
             chunks.append(current)
-            current, tokens = [], 0
-        current.append(k)
+            current, tokens = 0, 0
+        current += 1
         tokens += len(seq)
     chunks.append(current)
+    log.info("%s: vLLM extraction, %d samples in %d chunks", shard, len(seqs), len(chunks))
     try:
-        for n, chunk in enumerate(chunks):
-            log.info("%s: vLLM extraction, chunk %d/%d (%d samples)", shard, n + 1, len(chunks), len(chunk))
-            work.mkdir(parents=True, exist_ok=True)
-            states = extract_with_vllm(
+        work.mkdir(parents=True, exist_ok=True)
+        start = 0
+        for n, states in enumerate(
+            stream_with_vllm(
                 config.server.python or sys.executable,
                 model_path(config),
                 layers,
-                [(ids[k], seqs[k]) for k in chunk],
+                list(zip(ids, seqs)),
+                chunks,
                 work,
                 hs.timeout_s,
                 env=dict(config.server.env),
                 log=log,
             )
-            for k in chunk:
+        ):
+            for k in range(start, start + chunks[n]):
                 h = torch.from_numpy(states.pop(ids[k]))  # [T, 4, H]
                 if h.shape[0] != len(seqs[k]):
                     raise StatesError(
                         f"{shard}: vLLM returned {h.shape[0]} positions for {ids[k]!r}, which has {len(seqs[k])} tokens"
                     )
                 writer.write(k, h[:, :3, :].reshape(h.shape[0], -1), h[:, 3, :])
+            start += chunks[n]
+            log.info("%s: vLLM extraction, chunk %d/%d stored", shard, n + 1, len(chunks))
     finally:
         remove_inside(work, config.run_dir, ignore_errors=True)
 

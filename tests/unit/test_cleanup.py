@@ -137,11 +137,12 @@ def test_extract_vllm_work_dir_symlinked_out_survives_the_stage_cleanup(layout, 
     work.symlink_to(outside, target_is_directory=True)
     seen = []
 
-    def failing_extract(python, model, layers, samples, work_dir, *args, **kwargs):
+    def failing_extract(python, model, layers, samples, chunks, work_dir, *args, **kwargs):
         seen.append(Path(work_dir))
         raise RuntimeError("worker died")
+        yield  # a generator, as stream_with_vllm is
 
-    monkeypatch.setattr(backend, "extract_with_vllm", failing_extract)
+    monkeypatch.setattr(backend, "stream_with_vllm", failing_extract)
     monkeypatch.setattr(stage, "_num_layers", lambda config: 4)
     monkeypatch.setattr(stage, "model_path", lambda config: "unused")
     config = load_config(DEMO_RECIPE, [f'run_dir="{run}"'])
