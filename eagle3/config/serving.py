@@ -298,6 +298,16 @@ class GenerationConfig(_Strict):
             "survive a power cut)."
         ),
     )
+    fsync_min_interval_s: float = Field(
+        0.25,
+        ge=0,
+        description=(
+            "...and at most once per this many seconds per file (0: no limit). At a high request rate an fsync "
+            "every 16 records, each running beside the appends, cost the client ~0.05 ms of kernel CPU a request "
+            "(benchmarks/bench_generation.py); a power cut loses at most the larger of fsync_every records and "
+            "this many seconds of them, regenerated on resume."
+        ),
+    )
     keep_truncated: bool = Field(
         True,
         description=(

@@ -438,10 +438,6 @@ async def _post(lease: Lease, path: str, body: dict, deadline: float) -> dict:
         raise Failure("bad_response", f"body is not JSON ({exc})", True) from None
 
 
-async def _attempt(lease: Lease, body: dict, deadline: float) -> dict:
-    return await _post(lease, "chat/completions", body, deadline)
-
-
 def parse_completion(data: Any) -> dict:
     """The fields we keep from a vLLM text completion with n choices (``/v1/completions``)."""
     try:
@@ -458,20 +454,16 @@ def parse_completion(data: Any) -> dict:
         raise Failure("bad_response", f"response lacks {exc!r}: {str(data)[:200]}", True) from None
 
 
-async def _completion_attempt(lease: Lease, body: dict, deadline: float) -> dict:
-    return await _post(lease, "completions", body, deadline)
-
-
 # What one request is: the chat route (generate) or the text-completion route (self-written prompts).
 # Both share the retry, backoff, deadline and replica policy below.
-ROUTES = {"chat": (_attempt, parse_response), "completions": (_completion_attempt, parse_completion)}
+ROUTES = {"chat": ("chat/completions", parse_response), "completions": ("completions", parse_completion)}
 
 
 async def request_with_retries(
     pool: EndpointPool, body: dict, gen: GenerationConfig, stats: Stats, rng: random.Random, route: str = "chat"
 ) -> tuple[dict | None, Failure | None, int, float]:
     """Run one prompt to a parsed result or a final failure: (result, failure, attempts, latency_s)."""
-    send, parse = ROUTES[route]
+    path, parse = ROUTES[route]
     deadline = deadline_s(gen)
     started = time.monotonic()
     last = None
@@ -479,7 +471,7 @@ async def request_with_retries(
         await pool.wait_available()
         endpoint = pool.acquire(avoid=last)
         try:
-            result = parse(await send(endpoint, body, deadline))
+            result = parse(await _post(endpoint, path, body, deadline))
             pool.release(endpoint)
             return result, None, attempt, time.monotonic() - started
         except (Exception, TimeoutError) as exc:  # every attempt's failure is classified, none escapes

@@ -196,7 +196,8 @@ class _Run:
         return await request_with_retries(self.pool, body, self.gen, self.stats, rng)
 
     async def one(self, sample: Sample, rng: random.Random) -> None:
-        result, failure, attempts, latency = await self.ask(sample.messages, sample.sampling, rng)
+        body = {"model": self.model, "messages": sample.messages, **sample.sampling, "return_token_ids": True}
+        result, failure, attempts, latency = await request_with_retries(self.pool, body, self.gen, self.stats, rng)
         if failure is not None:
             await self.fail(sample, failure, attempts)
             return
@@ -329,7 +330,8 @@ async def _generate(p, shard_file, samples, run: _Run, key, input_sha, progress,
         deadline_s(gen),
     )
     streams = ("ok", "filtered", "failed", "turns") if run.regenerate else ("ok", "filtered", "failed")
-    run.writers = writers = {k: JsonlAppender(p[k], gen.fsync_every, what="generate") for k in streams}
+    every, interval = gen.fsync_every, gen.fsync_min_interval_s
+    run.writers = writers = {k: JsonlAppender(p[k], every, "generate", interval) for k in streams}
     reporter = asyncio.create_task(_report(stats, every_s, progress)) if progress else None
     tasks = [asyncio.create_task(run.worker(random.Random(f"{key}:{k}"))) for k in range(workers)]
     try:

@@ -465,7 +465,9 @@ async def collect(
     if finished:
         log.info("self_prompts: %d requests answered on disk (%s) are reused", len(finished), raw)
     gen = config.generation.model_copy(update={"max_tokens": sp.max_tokens})
-    with JsonlAppender(raw, fsync_every=config.generation.fsync_every, what="self-prompt request") as out:
+    with JsonlAppender(
+        raw, config.generation.fsync_every, "self-prompt request", config.generation.fsync_min_interval_s
+    ) as out:
         run = _Run(config, plan, pool, model, out, log, Selector(sp, plan), finished)
         await _collect(run, gen)
     return _finish(config, plan, run, log)

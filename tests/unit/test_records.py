@@ -118,3 +118,29 @@ def test_a_record_line_is_the_compact_utf8_json_of_the_record(tmp_path):
     line = path.read_bytes()
     assert line == (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
     assert json.loads(line) == {**record, "n": {"1": "a"}}
+
+
+def test_fsyncs_are_spaced_by_the_minimum_interval(tmp_path, monkeypatch):
+    """With fsync_min_interval_s an fsync falls due after fsync_every records *and* that long since the
+    last one: a fast stream syncs a few times a second, a slow one every fsync_every records."""
+    import eagle3.generate.records as records_module
+
+    now = [100.0]
+    monkeypatch.setattr(records_module.time, "monotonic", lambda: now[0])
+    synced = []
+    monkeypatch.setattr(records_module.os, "fsync", lambda fd: synced.append(now[0]))
+    with JsonlAppender(tmp_path / "s.jsonl", fsync_every=2, fsync_min_interval_s=0.25) as writer:
+        for _ in range(6):  # fast: six records in 0.1 s, none due
+            now[0] += 0.02
+            assert not writer.append({"id": "x"}, sync=False)
+        now[0] += 0.2
+        assert writer.append({"id": "y"})  # 0.32 s after opening, 7 unsynced: due, synced in line
+        assert synced == [now[0]]
+        due = []
+        for k in range(4):  # slow: a second between records, so every second record is due
+            now[0] += 1.0
+            due.append(writer.append({"id": k}))
+        assert due == [False, True, False, True] and len(synced) == 3
+    assert len(synced) == 3, "close syncs only what is unsynced"
+    with JsonlAppender(tmp_path / "t.jsonl", fsync_every=2) as writer:  # no interval: every 2 records
+        assert [writer.append({"id": k}, sync=False) for k in range(4)] == [False, True, True, True]

@@ -69,7 +69,8 @@ PROMPTS = [f"prompt number {k} about {'x ' * (k % 7)}" for k in range(40)]
 
 @pytest.mark.parametrize("fault", ["full_disk_mid_record", "fsync_error"])
 def test_a_failing_write_during_generation_leaves_no_marker_and_no_torn_record(tmp_path, monkeypatch, fault):
-    config, shard = make_generation_run(tmp_path, PROMPTS, "generation.fsync_every=4", "generation.max_tokens=64")
+    sets = ("generation.fsync_every=4", "generation.fsync_min_interval_s=0", "generation.max_tokens=64")
+    config, shard = make_generation_run(tmp_path, PROMPTS, *sets)
     out = Path(config.run_dir) / "generations"
     p = paths(out, shard.name)
     with run_fake_server(FakeConfig(), in_thread=True) as fake:
