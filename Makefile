@@ -55,7 +55,7 @@ lint: venv
 ## and training_data resume a finished run (runs/smollm2-135m, runs/bench-data-*) in seconds: move those
 ## away first for fresh stage times.
 BENCH_SHORT := tokenize train generation extract cluster cluster_train
-BENCH_LONG := load real_target training_data fp8
+BENCH_LONG := load real_target training_data fp8 train_compile
 bench: venv $(if $(LONG),venv-vllm real-target)
 	@set -e; for b in $(BENCH_SHORT) $(if $(LONG),$(BENCH_LONG)); do \
 		echo "== benchmarks/bench_$$b.py"; \

@@ -53,6 +53,7 @@ TARGETS: dict[str, dict[str, tuple[str, float] | None]] = {
     },
     "generation": {"client_cpu_per_request_vs_plain": ("<=", 1.2), "max_rps_vs_plain": None},
     "train": {"default_stage_vs_loop": (">=", 0.9), "stage_vs_loop": (">=", 0.9), "peak_rss_gib": None},
+    "train_compile": {"compiled_vs_eager": None, "compile_s": None},
     "tokenize": {"stage_vs_raw": (">=", 0.9), "jinja_stage_vs_raw": None},
     "load": {"lost": ("==", 0), "duplicated": ("==", 0), "rss_peak_ratio": ("<", 1.1), "wall_vs_ideal": None},
     "cluster": {"tokenize_ray_vs_local": (">=", 0.9), "extract_ray_vs_local": (">=", 0.9)},
