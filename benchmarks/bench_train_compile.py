@@ -7,6 +7,8 @@ the steps after it, against the same trainer eager, per shape and loss.
 - Shapes from ``train_shapes`` (tiny: H 128, vocab 4k; smollm2_8k: SmolLM2-135M's H 576 and vocab 49,152
   with an 8k draft vocabulary, random weights), K = 7, 32 samples; losses: ``plain``
   (``train.loss_chunk_tokens = 0``) and ``chunked`` (the default, 1,024 rows at a time).
+- Compiles are cold: each case gets its own empty inductor cache (``TORCHINDUCTOR_CACHE_DIR``) and a reset
+  dynamo, as a first run pays (``--warm-cache`` keeps the machine's cache: a rerun of the same shapes).
 - Per case, in one process, in this order: an eager warm-up step; ``--steps`` optimizer steps eager; one step
   compiled (``compile_s``: the compile, dominated by it); ``--steps`` steps compiled (dynamo's cache reused:
   the steady state); ``--steps`` steps eager again (the A/A pair). ``compiled_vs_eager_*`` is the mean of the
@@ -35,8 +37,13 @@ import results_file  # noqa: E402
 CHUNK = {"plain": 0, "chunked": 1024}
 
 
-def one_case(shape: str, loss: str, steps: int) -> dict:
+def one_case(shape: str, loss: str, steps: int, warm_cache: bool = False) -> dict:
+    import torch
+
     work = Path(tempfile.mkdtemp(prefix=f"eagle3-bench-compile-{shape}-"))
+    if not warm_cache:  # a cold compile, as a first run pays: no kernels from an earlier case or run
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(work / "inductor-cache")
+    torch._dynamo.reset()
     config, names, folder, layers = train_shapes.make_run(
         work, shape, 32, 7, "train.epochs=1", f"train.max_steps={steps}"
     )
@@ -73,11 +80,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", default="tiny:plain,tiny:chunked,smollm2_8k:plain")
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument(
+        "--warm-cache",
+        action="store_true",
+        help="keep inductor's on-disk cache (a rerun of the same shapes compiles in ~30 s instead of 100-150 s)",
+    )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "train_compile.json"))
     args = parser.parse_args()
     started = results_file.provenance()
-    rows = [one_case(*case.split(":"), args.steps) for case in args.cases.split(",")]
-    summary = {}
+    rows = [one_case(*case.split(":"), args.steps, args.warm_cache) for case in args.cases.split(",")]
+    summary = {"warm_cache": int(args.warm_cache)}
     for r in rows:
         name = f"{r['shape']}_{r['loss']}"
         summary[f"compiled_vs_eager_{name}"] = r["compiled_vs_eager"]
