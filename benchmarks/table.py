@@ -381,10 +381,23 @@ def fp8_variants(results: dict[str, dict]) -> str:
     return table(head + ["live, external prompts"], rows)
 
 
+def train_compile_cases(results: dict[str, dict]) -> str:
+    """Per shape and loss: the cold compile's first step, eager and compiled steps, their ratio, A/A, break-even."""
+    rows = []
+    for c in results["train_compile"]["cases"]:
+        rows.append(
+            [c["shape"], c["loss"], num(c["compile_first_step_s"], 1), num(c["eager_s"], 2), num(c["compiled_s"], 2)]
+            + [f"**{num(c['compiled_vs_eager'], 2)}**", num(c["aa"], 2), num(c["break_even_steps"]) or "-"]
+        )
+    head = ["shape", "loss", "first step, compiling (s)", f"eager, {c['steps']} steps (s)", "compiled (s)"]
+    return table(head + ["compiled vs eager", "A/A (eager twice)", "break-even steps"], rows)
+
+
 SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "generation": ("generation", generation_client),
     "extract": ("extract", extract_targets),
     "train": ("train", train_configs),
+    "train_compile": ("train_compile", train_compile_cases),
     "fp8": ("fp8", fp8_variants),
     "summary": ("", summary_table),
     "real_target_stages": ("real_target", real_target_stages),

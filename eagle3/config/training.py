@@ -207,8 +207,10 @@ class TrainConfig(_Strict):
     compile: bool = Field(
         False,
         description=(
-            "torch.compile the drafter's forward (dynamic shapes: micro-batch lengths vary). Off by default: on CPU "
-            "the compile takes longer than it saves in a short run (benchmarks/bench_train.py --compile)."
+            "torch.compile the drafter's forward (dynamic shapes: micro-batch lengths vary). Off by default: on 2 CPU "
+            "cores a cold compile took 140-150 s for 1.14-1.19x faster steps with loss_chunk_tokens = 0 (paid back "
+            "after ~400-1,400 steps), and with the chunked loss (the default) the compiled steps were 2.3x slower "
+            "(benchmarks/bench_train_compile.py); not measured on a GPU. If you turn it on, set loss_chunk_tokens = 0."
         ),
     )
     eval_fraction: float = Field(
