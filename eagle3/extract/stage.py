@@ -342,7 +342,7 @@ def _report(log, shard: str, done: int, total: int, last_log: float, progress) -
 
 def _fill_with_vllm(config, shard: str, ids, seqs, the_plan: Plan, writer: StatesWriter, log) -> None:
     """vLLM's own extraction, one worker (one vLLM start) per shard, in chunks of
-    ``vllm_chunk_tokens`` that it hands over one by one: each is stored while the next is computed."""
+    ``vllm_chunk_tokens`` that it hands over one by one (``stream_with_vllm``)."""
     import torch
 
     from eagle3.extract.vllm_backend import stream_with_vllm
@@ -359,22 +359,21 @@ def _fill_with_vllm(config, shard: str, ids, seqs, the_plan: Plan, writer: State
         tokens += len(seq)
     chunks.append(current)
     log.info("%s: vLLM extraction, %d samples in %d chunks", shard, len(seqs), len(chunks))
+    work.mkdir(parents=True, exist_ok=True)
+    stream = stream_with_vllm(
+        config.server.python or sys.executable,
+        model_path(config),
+        layers,
+        list(zip(ids, seqs)),
+        chunks,
+        work,
+        hs.timeout_s,
+        env=dict(config.server.env),
+        log=log,
+    )
     try:
-        work.mkdir(parents=True, exist_ok=True)
         start = 0
-        for n, states in enumerate(
-            stream_with_vllm(
-                config.server.python or sys.executable,
-                model_path(config),
-                layers,
-                list(zip(ids, seqs)),
-                chunks,
-                work,
-                hs.timeout_s,
-                env=dict(config.server.env),
-                log=log,
-            )
-        ):
+        for n, states in enumerate(stream):
             for k in range(start, start + chunks[n]):
                 h = torch.from_numpy(states.pop(ids[k]))  # [T, 4, H]
                 if h.shape[0] != len(seqs[k]):
@@ -385,6 +384,7 @@ def _fill_with_vllm(config, shard: str, ids, seqs, the_plan: Plan, writer: State
             start += chunks[n]
             log.info("%s: vLLM extraction, chunk %d/%d stored", shard, n + 1, len(chunks))
     finally:
+        stream.close()  # a failure here stops the worker now, not when the traceback lets go of the stream
         remove_inside(work, config.run_dir, ignore_errors=True)
 
 

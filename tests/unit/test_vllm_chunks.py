@@ -26,12 +26,13 @@ STAND_IN = textwrap.dedent(
 
     request = json.loads(Path(sys.argv[1]).read_text())
     out = Path(request["output"])
-    (out.parent / "worker.pid").write_text(str(os.getpid()))
+    Path(os.environ.get("PID_AT") or out.parent / "worker.pid").write_text(str(os.getpid()))
     fault = os.environ.get("FAULT", "")
     start, H, L = 0, 4, len(request["layer_ids"])
     for c, size in enumerate(request["chunks"]):
         if c == 1 and fault == "hang":
             time.sleep(600)
+        time.sleep(float(os.environ.get("CHUNK_S") or 0))  # the forward's time
         samples = request["samples"][start : start + size]
         start += size
         tensors = {}
@@ -125,3 +126,35 @@ def test_a_caller_that_stops_early_stops_the_worker(worker, tmp_path, monkeypatc
 def test_chunks_that_do_not_cover_the_samples_are_refused(worker, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="add up to the 5 samples"):
         next(_stream(worker, tmp_path, monkeypatch, chunks=(2, 2)))
+
+
+def test_the_stage_stops_the_worker_when_storing_a_chunk_fails(worker, tmp_path, monkeypatch):
+    """The stage closes the stream in its own cleanup: the worker stops at once, not when the failure's
+    traceback lets go of the generator (until then a CPU worker would wait for its chunk to be taken)."""
+    import logging
+    import types
+
+    import eagle3.extract.vllm_backend as backend
+    from eagle3.config import DEMO_RECIPE, load_config
+    from eagle3.extract import stage
+
+    monkeypatch.setattr(backend, "WORKER", worker)
+    monkeypatch.setattr(stage, "_num_layers", lambda config: 4)
+    monkeypatch.setattr(stage, "model_path", lambda config: "m")
+    monkeypatch.setenv("PID_AT", str(tmp_path / "worker.pid"))
+    monkeypatch.setenv("CHUNK_S", "1")
+    sets = [f'run_dir="{tmp_path / "run"}"', "extract.vllm_chunk_tokens=8", f'server.python="{sys.executable}"']
+    config = load_config(DEMO_RECIPE, sets)
+
+    class DiskGone:
+        def write(self, k, aux, last):
+            raise OSError("disk gone")
+
+    ids, seqs = zip(*_samples())
+    with pytest.raises(OSError, match="disk gone") as failure:  # held, as a task runner holds it to log and retry
+        stage._fill_with_vllm(
+            config, "shard-00000.parquet", list(ids), [np.array(s) for s in seqs],
+            types.SimpleNamespace(layer_ids=[1, 2, 3]), DiskGone(), logging.getLogger("test"),
+        )  # fmt: skip
+    assert _gone(int((tmp_path / "worker.pid").read_text()), within_s=0.5), "stopped, not left computing"
+    assert failure.value.__traceback__ is not None
