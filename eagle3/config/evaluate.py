@@ -63,15 +63,36 @@ class EvaluateConfig(_Strict):
             "eager and compiled no speculation; eager starts faster, compiled decodes faster."
         ),
     )
-    prompt_sets: list[Literal["heldout", "external"]] = Field(
+    prompt_sets: list[Literal["suite", "heldout", "external"]] = Field(
         default_factory=lambda: ["heldout", "external"],
         min_length=1,
         description=(
-            "Labelled prompt sets, evaluate.num_prompts each: heldout (this run's prompts held out of training, "
-            "train.eval_fraction) and external (evaluate.external_prompts, prompts the target did not write; "
-            "this run's training prompts are left out). Both by default: acceptance moves with the prompts' "
-            "style (measured here: 1.76 on held-out vs 1.19 on differently styled prompts), so every figure "
-            "names its set."
+            "Labelled prompt sets: suite (the fixed evaluation suite, evaluate.suite: the same prompts on every run "
+            "and machine, in labelled categories, with per-prompt acceptance and bootstrap intervals at "
+            "concurrency 1), heldout (evaluate.num_prompts of this run's prompts held out of training, "
+            "train.eval_fraction) and external (evaluate.num_prompts of evaluate.external_prompts, prompts the "
+            "target did not write; this run's training prompts are left out). Default heldout and external, "
+            "which cost a few prompts each; a recipe whose figures are compared across runs adds suite (the "
+            "held-out set changes whenever the run's prompts do: two runs of one recipe measured 1.64 and 1.45). "
+            "Acceptance moves with the prompts' style (1.76 on held-out vs 1.19 on differently styled prompts), "
+            "so every figure names its set."
+        ),
+    )
+    suite: str = Field(
+        "builtin:eval_suite",
+        description=(
+            "The fixed evaluation suite (prompt set 'suite'): a jsonl file of {id, category, messages} rows, or "
+            "builtin:eval_suite, the shipped one (eagle3/data/eval_suite.jsonl: prompts written for this project, "
+            "25 in each of chat, code, math and extract). Every prompt of it is measured (not num_prompts)."
+        ),
+    )
+    suite_per_category: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Measure only the first N prompts of each suite category (a fixed subset, in file order), e.g. for a "
+            "quick check or a CI run. Default None: the whole suite, which the recipe's headline and its "
+            "intervals are computed over."
         ),
     )
     external_prompts: str = Field(

@@ -65,7 +65,7 @@ def headline(doc: dict, temperature: float | None = None) -> dict:
         return {}
     sets = list(dict.fromkeys(c["prompt_set"] for c in cells))
     where = {
-        "prompt_set": "heldout" if "heldout" in sets else sets[0],
+        "prompt_set": next((s for s in ("suite", "heldout") if s in sets), sets[0]),
         "temperature": temperature,
         "concurrency": min(c["concurrency"] for c in cells),
     }
@@ -78,6 +78,13 @@ def headline(doc: dict, temperature: float | None = None) -> dict:
         "decode_tokens_per_s": {m: c["decode_tokens_per_s"] for m, c in by.items()},
         "speedup_vs_none": get("trained", "speedup_vs_none"),
         "speedup_vs_ngram": get("trained", "speedup_vs_ngram"),
+        "tokens_per_step": {
+            m: t["pooled"]["acceptance_length"]
+            for m, t in (doc.get("acceptance") or {}).get(where["prompt_set"], {}).items()
+        },
+        "tokens_per_step_ci95": {
+            m: t["pooled"]["ci95"] for m, t in (doc.get("acceptance") or {}).get(where["prompt_set"], {}).items()
+        },
         **matrix.fastest_ratios(by),
     }
 
@@ -124,8 +131,25 @@ def measure_live(config: PipelineConfig, drafter_dir: str | Path | None, *, out_
         "cells": matrix.pool_cells(visits, methods),
         "visits": [{k: v for k, v in visit.items() if k != "token_ids"} for visit in visits],
     }
+    doc["acceptance"] = acceptance_tables(visits, sets)
     doc["headline"] = headline(doc)
     return doc
+
+
+def acceptance_tables(visits: list[dict], sets: dict[str, dict]) -> dict:
+    """{prompt set: {method: tokens per target step pooled and per category, with bootstrap intervals}} from
+    the first round's visits at temperature 0 and concurrency 1, where each prompt's counters were read on
+    their own (eagle3/evaluate/intervals.py). Greedy answers are the same every round, so one round is the
+    whole sample; a suite prompt's category is its own, any other set is one category named after the set."""
+    from eagle3.evaluate.intervals import by_category
+
+    out: dict[str, dict] = {}
+    for v in visits:
+        if v.get("per_prompt") is None or v["temperature"] != 0 or v["round"] != 0:
+            continue
+        category_of = {p["id"]: p.get("category", v["prompt_set"]) for p in sets[v["prompt_set"]]["prompts"]}
+        out.setdefault(v["prompt_set"], {})[v["method"]] = by_category(v["per_prompt"], category_of)
+    return out
 
 
 # -- the stage ------------------------------------------------------------------------------

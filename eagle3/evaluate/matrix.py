@@ -131,31 +131,67 @@ def _cpu(servers_: list) -> float | None:
     return None if any(v is None for v in values) else sum(values)
 
 
-def _visit(managed, others: list, prompts: list[dict], cell: tuple, config, probe) -> tuple[dict, list]:
-    """Measure one method on one cell: stats, counter delta, CPU, token ids per prompt."""
-    _, temperature, concurrency = cell
-    ev = config.evaluate
-    before = metrics.fetch_metrics(probe, managed.root_url, managed.api_key)
-    cpu0, idle0 = _cpu([managed]), _cpu(others)
-    outcomes, wall = measure.run_batch(
+def _batch(managed, prompts: list[dict], temperature: float, concurrency: int, config):
+    return measure.run_batch(
         managed.base_url,
         managed.api_key,
         managed.served_model_name,
         prompts,
         temperature=temperature,
         top_p=config.generation.top_p,
-        max_tokens=ev.max_tokens,
+        max_tokens=config.evaluate.max_tokens,
         concurrency=concurrency,
         timeout_s=request_timeout_s(config),
     )
-    managed.check()
-    after = metrics.fetch_metrics(probe, managed.root_url, managed.api_key)
+
+
+def _one_at_a_time(managed, prompts: list[dict], temperature: float, config, probe, before: dict):
+    """Concurrency 1, the counters read between requests: each prompt's own drafts and accepted tokens
+    (nothing else runs on the server, so a delta is that request's). (outcomes, wall, per-prompt rows, last read)."""
+    outcomes, rows, wall = [], [], 0.0
+    for prompt in prompts:
+        [outcome], seconds = _batch(managed, [prompt], temperature, 1, config)
+        after = metrics.fetch_metrics(probe, managed.root_url, managed.api_key)
+        delta = metrics.raw_delta(before, after) if after["found"] else None
+        outcomes.append(outcome)
+        wall += seconds
+        rows.append(per_prompt_row(prompt["id"], outcome, delta))
+        before = after
+    return outcomes, wall, rows, before
+
+
+def per_prompt_row(prompt_id: str, outcome, delta: dict | None) -> dict:
+    """One request's counts: completion tokens, vLLM's drafts and accepted draft tokens (0 without speculation)."""
+    return {
+        "id": prompt_id,
+        "ok": outcome.error is None,
+        "completion_tokens": len(outcome.token_ids) if outcome.error is None else 0,
+        "drafts": (delta or {}).get("drafts", 0),
+        "accepted_tokens": (delta or {}).get("accepted_tokens", 0),
+    }
+
+
+def _visit(managed, others: list, prompts: list[dict], cell: tuple, config, probe) -> tuple[dict, list]:
+    """Measure one method on one cell: stats, counter delta, CPU, token ids per prompt; at concurrency 1
+    also each prompt's own counters (``per_prompt``), which the suite's intervals are computed from."""
+    _, temperature, concurrency = cell
+    before = metrics.fetch_metrics(probe, managed.root_url, managed.api_key)
+    cpu0, idle0 = _cpu([managed]), _cpu(others)
+    rows = None
+    if concurrency == 1:
+        outcomes, wall, rows, after = _one_at_a_time(managed, prompts, temperature, config, probe, before)
+        managed.check()
+    else:
+        outcomes, wall = _batch(managed, prompts, temperature, concurrency, config)
+        managed.check()
+        after = metrics.fetch_metrics(probe, managed.root_url, managed.api_key)
     cpu1, idle1 = _cpu([managed]), _cpu(others)
     record = {
         "stats": measure.summarize(outcomes, wall),
         "counters": metrics.raw_delta(before, after) if after["found"] else None,
         "server_cpu_s": None if cpu0 is None or cpu1 is None else round(cpu1 - cpu0, 2),
         "idle_servers_cpu_s": None if not others or idle0 is None or idle1 is None else round(idle1 - idle0, 2),
+        "per_prompt": rows,
     }
     ids = [None if o.error else o.token_ids for o in outcomes]
     return record, ids

@@ -54,6 +54,7 @@ class Streamed:
     decode_s: float | None = None  # first chunk with tokens -> last chunk with tokens
     chunks: int = 0
     usage_tokens: int | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM sends them in the first chunk (return_token_ids)
 
     @property
     def decode_tokens(self) -> int:
@@ -81,6 +82,8 @@ def _read_stream(response: httpx.Response, out: Streamed, sent: float, deadline:
         if "error" in event:
             out.error = "stream_error"
             return out
+        if out.prompt_token_ids is None and isinstance(event.get("prompt_token_ids"), list):
+            out.prompt_token_ids = [int(t) for t in event["prompt_token_ids"]]
         if event.get("usage"):
             out.usage_tokens = event["usage"].get("completion_tokens")
         ids = _chunk_tokens(event)

@@ -11,6 +11,12 @@ Design choices:
   turns), this set shows how the drafter does on differently styled prompts. Prompt ids are
   content hashes, so an external prompt that was also one of the run's *training* prompts is
   recognised and left out (counted): the set is never flattered by training data.
+- ``suite``: the fixed evaluation suite (``evaluate.suite``, by default the shipped
+  ``builtin:eval_suite``: prompts written for this project in labelled categories, stable ids),
+  the same on every run and machine, so two runs' figures can be compared. Its prompts carry
+  their category; ``evaluate.suite_per_category`` takes the first N of each category (a fixed
+  subset, for quick runs). Its ids are never checked against training data: a run that trains
+  on the suite's own prompts is the user's choice, and the report says which suite was used.
 - Every set carries a label, its source and the ids used, so each acceptance figure names
   the prompts it was measured on.
 """
@@ -23,7 +29,7 @@ from pathlib import Path
 from eagle3.errors import MissingInputError, run_first
 from eagle3.layout import RunLayout
 
-PROMPT_SETS = ("heldout", "external")
+PROMPT_SETS = ("suite", "heldout", "external")
 
 
 # The prompts this stage measures on are missing (a stage it reads has not run, or no usable one).
@@ -137,12 +143,37 @@ def external_prompts(
     return chosen, info
 
 
+def suite_prompts(spec: str, per_category: int | None) -> tuple[list[dict], dict]:
+    """The suite's prompts in file order (each with its category), the first ``per_category`` of each
+    category when given; and the selection info (source, fingerprint, counts per category)."""
+    from eagle3.evaluate.suite import categories, load_suite, suite_fingerprint
+
+    everything = load_suite(spec)
+    chosen = []
+    for rows in categories(everything).values():
+        chosen += rows if per_category is None else rows[:per_category]
+    order = {p["id"]: i for i, p in enumerate(everything)}
+    chosen.sort(key=lambda p: order[p["id"]])
+    info = {
+        "source": spec,
+        "fingerprint": suite_fingerprint(everything),
+        "prompts_in_suite": len(everything),
+        "used": len(chosen),
+        "per_category": {c: len(rs) for c, rs in categories(chosen).items()},
+    }
+    return chosen, info
+
+
 def prompt_sets(config, names: list[str]) -> dict[str, dict]:
     """{name: {"label", "prompts", "selection"}} for each requested set."""
     ev, run = config.evaluate, config.run_dir
     out = {}
     for name in names:
-        if name == "heldout":
+        if name == "suite":
+            prompts, info = suite_prompts(ev.suite, ev.suite_per_category)
+            cats = len(info["per_category"])
+            label = f"the fixed evaluation suite {ev.suite} ({info['used']} prompts, {cats} categories)"
+        elif name == "heldout":
             prompts, info = select_prompts(run, config.train.eval_fraction, ev.num_prompts)
             label = (
                 f"held-out split of this run's prompts (data.source {config.data.source}; train.eval_fraction "
