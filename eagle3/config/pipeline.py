@@ -121,6 +121,12 @@ class PipelineConfig(_Strict):
 
 
 def section_hash(section: BaseModel) -> str:
-    """A stable hash of one config section, for cache keys and manifests."""
-    text = json.dumps(section.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    """A stable hash of one config section, for cache keys and manifests. Keys a section lists in its
+    ``LATER_KEYS`` (added after runs were on disk, with their defaults) are left out while they hold that
+    default, so a config written before them hashes as before and its markers stay current."""
+    dump = section.model_dump(mode="json")
+    for key, default in getattr(type(section), "LATER_KEYS", {}).items():
+        if key in dump and dump[key] == default:
+            del dump[key]
+    text = json.dumps(dump, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]

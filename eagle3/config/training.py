@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -138,6 +138,18 @@ class ExtractConfig(_Strict):
 class TrainConfig(_Strict):
     """Drafter training (stage ``train``)."""
 
+    # Sample-efficiency knobs added after runs were on disk: at these values a config hashes as before
+    # (section_hash), so an existing run's train marker stays current.
+    LATER_KEYS: ClassVar[dict] = {
+        "hidden_noise": 0.0,
+        "hidden_noise_kind": "gaussian",
+        "freeze_lm_head": False,
+        "warm_start": "none",
+        "warm_start_layer": None,
+        "norm_before_fc": False,
+        "norm_output": False,
+    }
+
     ttt_steps: int = Field(
         7,
         ge=1,
@@ -161,6 +173,67 @@ class TrainConfig(_Strict):
         description=(
             "Peak AdamW learning rate after warmup (EAGLE-3 recipes use 1e-4 to 5e-5 for 8B+ targets over 50k-500k "
             "samples; small runs need more, see the recipes)."
+        ),
+    )
+    hidden_noise: float = Field(
+        0.0,
+        ge=0,
+        description=(
+            "Noise added to the target's tapped hidden states (the fc input) during training, as a multiple of each "
+            "token's RMS over those states: the drafter then learns to read states a little off the ones it will see "
+            "(EAGLE-1 and speculators add uniform or Gaussian noise for this). Relative, so one value suits any "
+            "target's scale. Default 0: off, the public EAGLE-3 recipe; measured per target in "
+            "benchmarks/results/sample_efficiency.json."
+        ),
+    )
+    hidden_noise_kind: Literal["gaussian", "uniform"] = Field(
+        "gaussian",
+        description=(
+            "The noise's shape: gaussian (std = hidden_noise x RMS) or uniform (in +-hidden_noise x RMS). Used "
+            "only when hidden_noise > 0."
+        ),
+    )
+    freeze_lm_head: bool = Field(
+        False,
+        description=(
+            "Keep the drafter's lm_head at the target's rows of the draft vocabulary (what it starts from) instead "
+            "of training it (speculators freezes it; EAGLE-3 trains it). Frozen, the drafter learns a hidden state "
+            "the target's own head reads, with fewer parameters to fit from little data. Default False: the EAGLE-3 "
+            "recipe."
+        ),
+    )
+    warm_start: Literal["none", "target_layer"] = Field(
+        "none",
+        description=(
+            "How the drafter's decoder layer starts. none: random (every public trainer). target_layer: from the "
+            "target's own decoder layer train.warm_start_layer -- the hidden half of q/k/v, o_proj, the MLP and the "
+            "norms -- with fc passing the top tapped layer's state straight through and the final norm the "
+            "target's, so step 0 starts as the target's layer applied to the state the target itself feeds it. "
+            "Default none: the public recipe; measured in benchmarks/results/sample_efficiency.json."
+        ),
+    )
+    warm_start_layer: int | None = Field(
+        None,
+        ge=0,
+        description=(
+            "The target decoder layer (0-based) train.warm_start = target_layer copies. Default: the layer the top "
+            "tapped state feeds (vLLM aux id i is the input of decoder layer i)."
+        ),
+    )
+    norm_before_fc: bool = Field(
+        False,
+        description=(
+            "EAGLE-3.1: one RMSNorm over the three concatenated tapped states before fc (the drafter's "
+            "input_norm), so states of very different scales reach fc alike. vLLM 0.32 serves it (the export "
+            "writes norm_before_fc); SGLang's layout cannot hold it. Default False: the EAGLE-3 recipe."
+        ),
+    )
+    norm_output: bool = Field(
+        False,
+        description=(
+            "EAGLE-3.1: each drafting step hands the next one its post-norm state instead of the pre-norm "
+            "residual. vLLM 0.32 serves it (the export writes norm_output); SGLang's layout cannot hold it. "
+            "Default False: the EAGLE-3 recipe."
         ),
     )
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="The cosine schedule ends at learning_rate x this.")

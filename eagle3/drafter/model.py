@@ -7,6 +7,10 @@ residual stream goes through the final ``norm`` into ``lm_head`` over the draft 
 residual stream *before* that norm is the hidden input of the next drafting step (vLLM passes its
 pre-norm output on). Embeddings come from the target and stay frozen.
 
+EAGLE-3.1's variants, as vLLM 0.32 serves them (model_executor/models/llama_eagle3.py): ``norm_before_fc``
+adds ``input_norm``, one RMSNorm over the concatenated aux states before ``fc``; ``norm_output`` hands the
+*post*-norm state to the next step instead.
+
 ``norm_before_residual``: where the residual branch taps the hidden input -- after
 ``hidden_norm`` (True) or before it (False, the default here, as in EAGLE-3's reference code).
 vLLM's two checkpoint layouts default it differently, so the export always writes it.
@@ -51,11 +55,21 @@ class DrafterConfig:
     aux_layer_ids: list[int] = field(default_factory=list)
     norm_before_residual: bool = False
     target_model_type: str = "llama"
+    # EAGLE-3.1's two norms (vLLM reads both): an RMSNorm over the concatenated aux states before fc
+    # (``input_norm``), and the post-norm output (not the pre-norm residual) handed to the next step.
+    norm_before_fc: bool = False
+    norm_output: bool = False
     target_architecture: str = ""
 
     @classmethod
     def from_target(
-        cls, target_config: dict, draft_vocab_size: int, aux_layer_ids: list[int], norm_before_residual: bool = False
+        cls,
+        target_config: dict,
+        draft_vocab_size: int,
+        aux_layer_ids: list[int],
+        norm_before_residual: bool = False,
+        norm_before_fc: bool = False,
+        norm_output: bool = False,
     ) -> DrafterConfig:
         """The drafter's shapes from the target's config.json (the drafter layer mirrors a target layer)."""
         text = target_config.get("text_config", target_config)
@@ -78,6 +92,8 @@ class DrafterConfig:
             target_hidden_size=hidden,
             aux_layer_ids=list(aux_layer_ids),
             norm_before_residual=norm_before_residual,
+            norm_before_fc=norm_before_fc,
+            norm_output=norm_output,
             target_model_type=model_type,
             target_architecture=(target_config.get("architectures") or [""])[0],
         )
@@ -195,6 +211,8 @@ class Eagle3Drafter(nn.Module):
         self.config = c
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
+        if c.norm_before_fc:
+            self.input_norm = RMSNorm(3 * c.target_hidden_size, c.rms_norm_eps)
         self.fc = nn.Linear(3 * c.target_hidden_size, c.hidden_size, bias=False)
         self.midlayer = MidLayer(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -218,6 +236,33 @@ class Eagle3Drafter(nn.Module):
             self.d2t.copy_(d2t)
             self.t2d.copy_(t2d)
 
+    def warm_start_from_layer(self, layer: dict[str, torch.Tensor], final_norm: torch.Tensor, slot: int) -> None:
+        """Start step 0 as the target's own decoder layer (``layer``: eagle3.train.target.load_target_layer) on
+        the top tapped state: fc passes that state through, the hidden half of q/k/v and everything after the
+        attention are the target layer's, the hidden and input norms its input norm, the final norm the
+        target's. The embedding half of q/k/v keeps its random start (the target layer has no such input).
+        ``slot``: which of fc's three inputs (the aux states in layer-id order) is passed through."""
+        c = self.config
+        H, Ht = c.hidden_size, c.target_hidden_size
+        if H != Ht:
+            raise ValueError(f"warm start needs the drafter's hidden size ({H}) to be the target's ({Ht})")
+        attn, mid = self.midlayer.self_attn, self.midlayer
+        with torch.no_grad():
+            self.fc.weight.zero_()
+            self.fc.weight[:, slot * Ht : (slot + 1) * Ht].copy_(torch.eye(H))
+            for name in ("q_proj", "k_proj", "v_proj"):
+                getattr(attn, name).weight[:, H:].copy_(layer[f"self_attn.{name}.weight"])
+            attn.o_proj.weight.copy_(layer["self_attn.o_proj.weight"])
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                getattr(mid.mlp, name).weight.copy_(layer[f"mlp.{name}.weight"])
+            mid.hidden_norm.weight.copy_(layer["input_layernorm.weight"])
+            mid.input_layernorm.weight.copy_(layer["input_layernorm.weight"])
+            mid.post_attention_layernorm.weight.copy_(layer["post_attention_layernorm.weight"])
+            if c.arch == "qwen3":
+                attn.q_norm.weight.copy_(layer["self_attn.q_norm.weight"])
+                attn.k_norm.weight.copy_(layer["self_attn.k_norm.weight"])
+            self.norm.weight.copy_(final_norm)
+
     def trainable_state(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in self.state_dict().items() if k != "embed_tokens.weight"}
 
@@ -234,7 +279,8 @@ class Eagle3Drafter(nn.Module):
         result is returned per step instead of the logits (the chunked loss: see train.chunked)."""
         B, T = input_ids.shape
         layer, attn = self.midlayer, self.midlayer.self_attn
-        hidden = self.fc(aux.to(self.fc.weight.dtype))
+        aux = aux.to(self.fc.weight.dtype)
+        hidden = self.fc(self.input_norm(aux) if self.config.norm_before_fc else aux)
         base = torch.arange(T, device=input_ids.device)
         k0 = v0 = None
         chain_k, chain_v, out = [], [], []
@@ -251,6 +297,8 @@ class Eagle3Drafter(nn.Module):
             hidden = layer.after_attention(a, residual)
             normed = self.norm(hidden)
             out.append(self.lm_head(normed) if head is None else head(step, normed, self.lm_head.weight))
+            if self.config.norm_output:  # EAGLE-3.1: the next step reads the post-norm state
+                hidden = normed
         return out
 
 

@@ -131,3 +131,38 @@ def load_target_head(model_path: str) -> TargetHead:
             f"{folder}: the target's weights have no {', '.join(missing)} (looked under {', '.join(prefixes)}){untied}"
         )
     return TargetHead(embed, norm, head, float(text.get("rms_norm_eps", 1e-6)), config)
+
+
+LAYER_TENSORS = (
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+)
+QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+
+
+def load_target_layer(model_path: str, layer: int, qk_norms: bool) -> dict[str, torch.Tensor]:
+    """Decoder layer ``layer``'s tensors (names as in LAYER_TENSORS, plus QK_NORMS when ``qk_norms``), for
+    train.warm_start = target_layer; the error names the layer and what is missing."""
+    folder = Path(model_path)
+    prefixes = ("model.", "model.language_model.", "language_model.model.")
+    names = [*LAYER_TENSORS, *(QK_NORMS if qk_norms else ())]
+    found = _find(folder, [f"{p}layers.{layer}.{n}" for p in prefixes for n in names])
+    out = {}
+    for n in names:
+        tensor = next((found[k] for p in prefixes if (k := f"{p}layers.{layer}.{n}") in found), None)
+        if tensor is not None:
+            out[n] = tensor
+    missing = [n for n in names if n not in out]
+    if missing:
+        raise TargetWeightsError(
+            f"{folder}: train.warm_start = target_layer needs decoder layer {layer}'s {', '.join(missing)}, "
+            "which the target's weights do not hold (is the layer id past the model's last layer?)"
+        )
+    return out

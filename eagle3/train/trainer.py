@@ -9,7 +9,8 @@ Checkpoints hold the drafter's trainable state (safetensors, float32 master weig
 optimizer state (``optimizer.pt``, loaded back with ``weights_only=True``: tensors and numbers,
 never arbitrary pickles) and ``trainer_state.json`` (step, epoch, best). The learning rate is a
 pure function of the step and the data order a pure function of (seed, epoch), and nothing is
-random after initialisation, so a resumed run repeats the uninterrupted run's steps exactly.
+random after initialisation (train.hidden_noise's noise is a function of the step and the batch: see
+levers.py), so a resumed run repeats the uninterrupted run's steps exactly.
 Each checkpoint is written to a hidden folder and renamed; ``latest.json`` moves last. A write that
 fails (disk full) raises ``DiskWriteError`` naming the checkpoint, removes the hidden folder and
 leaves ``latest.json`` on the previous checkpoint, which a rerun resumes from.
@@ -38,6 +39,7 @@ from eagle3.durable import (
     writing,
 )
 from eagle3.layout import RunLayout
+from eagle3.train import levers
 from eagle3.train.chunked import ChunkedTTTLoss, chunked_target_view
 from eagle3.train.data import (
     Dataset,
@@ -112,9 +114,11 @@ class Trainer:
         from eagle3.vocab.mapping import load as load_vocab
 
         d2t, t2d = (torch.from_numpy(x) for x in load_vocab(self.layout.draft_vocab))
-        self.drafter_config = DrafterConfig.from_target(self.target.config, len(d2t), layer_ids)
+        norms = {"norm_before_fc": self.tc.norm_before_fc, "norm_output": self.tc.norm_output}  # EAGLE-3.1
+        self.drafter_config = DrafterConfig.from_target(self.target.config, len(d2t), layer_ids, **norms)
         model = Eagle3Drafter(self.drafter_config)
         model.init_from_target(self.target.embed, self.target.lm_head, d2t, t2d)
+        levers.start(model, self.tc, model_path, layer_ids, self.target.norm_weight, log)  # warm start, frozen head
         self.model = model.to(self.dist.device)
         self.target = self.target.to(self.dist.device)
         self.data = Dataset(self.run, shards, self.tc.eval_fraction, offline=config.extract.mode == "offline")
@@ -165,7 +169,7 @@ class Trainer:
 
     # -- one micro-batch -------------------------------------------------------------------
 
-    def _forward(self, samples, global_counts):
+    def _forward(self, samples, global_counts, training: bool = False):
         ids, mask, valid, aux, last = collate(samples, self.data)
         if self.extractor is not None:
             states = self.extractor.states([s.input_ids.tolist() for s in samples])
@@ -178,6 +182,8 @@ class Trainer:
                 )  # as if stored
         dev = self.dist.device
         ids, mask, valid, aux, last = ids.to(dev), mask.to(dev), valid.to(dev), aux.to(dev).float(), last.to(dev)
+        if self.tc.hidden_noise > 0 and training:
+            aux = levers.noisy(aux, valid, self.tc, self.step, [s.id for s in samples])
         chunk, K = self.tc.loss_chunk_tokens, self.tc.ttt_steps
         with torch.no_grad():
             if chunk:
@@ -246,7 +252,7 @@ class Trainer:
             sync = n == len(work) - 1
             ctx = self.wrapped.no_sync() if (hasattr(self.wrapped, "no_sync") and not sync) else nullcontext()
             with ctx:
-                loss, stats = self._forward(samples, global_counts)
+                loss, stats = self._forward(samples, global_counts, training=True)
                 (loss * (scale * weight)).backward()
             if weight:
                 step_stats.append(stats)

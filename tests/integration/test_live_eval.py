@@ -106,8 +106,13 @@ def test_eagle_layout_through_export_and_evaluate_next_to_ngram_and_no_speculati
     run = tmp_path / "run"
     _write_prompts(run)
     target = ensure_tiny("qwen3")
-    write_untrained_checkpoint(
-        target, run / "checkpoints" / "step-000005", draft_ids=range(0, 4096, 2), aux_layer_ids=[1, 2, 3]
+    write_untrained_checkpoint(  # with EAGLE-3.1's two norms: vLLM must load and serve them losslessly
+        target,
+        run / "checkpoints" / "step-000005",
+        draft_ids=range(0, 4096, 2),
+        aux_layer_ids=[1, 2, 3],
+        norm_before_fc=True,
+        norm_output=True,
     )
     (run / "train").mkdir()
     (run / "train" / "eval.jsonl").write_text(json.dumps({"step": 5, "acceptance_length": 1.25}) + "\n")
@@ -123,7 +128,8 @@ def test_eagle_layout_through_export_and_evaluate_next_to_ngram_and_no_speculati
         'export.formats=["vllm"]',
         "evaluate.temperatures=[0.0, 0.6]",
         'evaluate.methods=["none", "ngram", "trained"]',
-        'evaluate.prompt_sets=["heldout", "external"]',
+        'evaluate.prompt_sets=["suite", "heldout", "external"]',
+        "evaluate.suite_per_category=1",
         f'evaluate.external_prompts="{external}"',
         "evaluate.concurrencies=[1]",
         "evaluate.rounds=1",
@@ -132,6 +138,8 @@ def test_eagle_layout_through_export_and_evaluate_next_to_ngram_and_no_speculati
     )  # the tiny model's word salad rarely repeats 2-grams
 
     assert set(run_export(config)["paths"]) == {"vllm"}
+    exported = json.loads((run / "export" / "vllm" / "config.json").read_text())
+    assert exported["norm_before_fc"] is exported["norm_output"] is exported["eagle_config"]["norm_before_fc"] is True
     entry = run_evaluate(config, logger=log)
 
     doc = json.loads((run / "evaluate" / "live.json").read_text())
@@ -158,7 +166,7 @@ def test_eagle_layout_through_export_and_evaluate_next_to_ngram_and_no_speculati
         ),
     )
     assert set(cells) == {
-        (m, s, t) for m in ("none", "ngram", "trained") for s in ("heldout", "external") for t in (0.0, 0.6)
+        (m, s, t) for m in ("none", "ngram", "trained") for s in ("suite", "heldout", "external") for t in (0.0, 0.6)
     }
     for cell in cells.values():
         _check_cell(cell, 4)
@@ -176,14 +184,27 @@ def test_eagle_layout_through_export_and_evaluate_next_to_ngram_and_no_speculati
     assert doc["offline_estimate"]["acceptance_length"] == 1.25
     assert doc["export_info"]["draft_vocab_size"] == 2048
     assert (
-        doc["headline"]["prompt_set"] == "heldout"
-        and doc["headline"]["speedup_vs_none"] == cells[("trained", "heldout", 0.0)]["speedup_vs_none"]
+        doc["headline"]["prompt_set"] == "suite"
+        and doc["headline"]["speedup_vs_none"] == cells[("trained", "suite", 0.0)]["speedup_vs_none"]
     )
+    # the suite: one prompt per category, each prompt's own counters at concurrency 1, summed to the cell's
+    suite = doc["acceptance"]["suite"]
+    assert set(suite) == {"none", "ngram", "trained"}
+    assert list(suite["trained"]["categories"]) == ["chat", "code", "math", "extract"]
+    assert suite["none"]["pooled"]["acceptance_length"] == 1.0
+    visit = next(
+        v for v in doc["visits"] if v["method"] == "trained" and v["prompt_set"] == "suite" and v["temperature"] == 0
+    )
+    assert [r["id"] for r in visit["per_prompt"]] == ["chat-001", "code-001", "math-001", "extract-001"]
+    assert sum(r["accepted_tokens"] for r in visit["per_prompt"]) == visit["counters"]["accepted_tokens"]
+    assert sum(r["drafts"] for r in visit["per_prompt"]) == visit["counters"]["drafts"] > 0
+    assert doc["headline"]["tokens_per_step"]["trained"] == suite["trained"]["pooled"]["acceptance_length"]
     stage = read_manifest(run)["stages"]["evaluate"]
-    assert stage["status"] == "ok" and (stage["in"], stage["ok"], stage["failed"]) == (48, 48, 0)
+    assert stage["status"] == "ok" and (stage["in"], stage["ok"], stage["failed"]) == (72, 72, 0)
     assert entry["offline_acceptance_length"] == 1.25 and set(entry["mean_acceptance_length"]) == {"0", "0.6"}
     report = write_report(run).read_text()
     assert "## Live comparison (vLLM)" in report and report.count("| heldout | 0 | 1 |") == 3
+    assert report.count("| suite | 0 | 1 |") == 3
 
 
 def test_speculators_layout_serves_side_by_side_in_rounds(tmp_path):

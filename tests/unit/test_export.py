@@ -461,3 +461,29 @@ def test_the_export_marker_decides_what_is_reused(tmp_path, targets):
     entry = run_export(config)
     assert entry["reused"] == [] and entry["step"] == 20
     assert read_marker(tmp_path / "run" / "export" / "done.json", "export").key != marker.key
+
+
+def test_eagle31_norms_are_exported_validated_and_refused_by_sglang(tmp_path, targets):
+    target = targets["llama"]
+    ckpt = write_untrained_checkpoint(
+        target, tmp_path / "ckpt", aux_layer_ids=[1, 2, 3], norm_before_fc=True, norm_output=True
+    )
+    source = load_file(str(ckpt / "model.safetensors"))
+    assert source["input_norm.weight"].shape == (3 * H,)
+    out = export_checkpoint(ckpt, target, tmp_path / "export", ["vllm", "speculators"])
+    for layout, folder in out.items():
+        assert validate_export(folder, layout, target) == [], layout
+        cfg = _config(folder)
+        assert cfg["norm_before_fc"] is True and cfg["norm_output"] is True, layout
+        assert torch.equal(_tensors(folder)["input_norm.weight"], source["input_norm.weight"].to(torch.bfloat16))
+    assert _config(out["vllm"])["eagle_config"]["norm_before_fc"] is True
+    # a config that says norm_before_fc but lacks the norm's weight is caught, and the other way round
+    _edit_config(
+        out["vllm"], lambda c: c["eagle_config"].update(norm_before_fc=False) or c.update(norm_before_fc=False)
+    )
+    assert any("input_norm.weight" in p for p in validate_export(out["vllm"], "vllm", target))
+    with pytest.raises(UnsupportedLayout, match="norm_before_fc"):
+        export_checkpoint(ckpt, target, tmp_path / "sglang", ["sglang"])
+    plain = write_untrained_checkpoint(target, tmp_path / "plain", aux_layer_ids=[1, 2, 3])
+    folder = export_checkpoint(plain, target, tmp_path / "plain-export", ["vllm"])["vllm"]
+    assert _config(folder)["norm_before_fc"] is False and "input_norm.weight" not in _tensors(folder)

@@ -36,9 +36,9 @@ SMALL = DrafterConfig(
 )
 
 
-def small_model(arch="qwen3", seed=0) -> Eagle3Drafter:
+def small_model(arch="qwen3", seed=0, **flags) -> Eagle3Drafter:
     torch.manual_seed(seed)
-    model = Eagle3Drafter(DrafterConfig(**{**SMALL.__dict__, "arch": arch}))
+    model = Eagle3Drafter(DrafterConfig(**{**SMALL.__dict__, "arch": arch, **flags}))
     with torch.no_grad():  # random norms too, so a misplaced norm cannot hide
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -54,7 +54,8 @@ def serve_reference(
     t+2, ..., each attending to everything in the cache so far. Plain loops, no masks."""
     layer, attn, c = model.midlayer, model.midlayer.self_attn, model.config
     keys, values = [], []
-    hidden = model.fc(aux[: t + 1])
+    prefix = aux[: t + 1]
+    hidden = model.fc(model.input_norm(prefix) if c.norm_before_fc else prefix)  # EAGLE-3.1's input_norm
     x, residual = layer.attn_input(model.embed_tokens(ids[1 : t + 2]), hidden)
     q, k, v = attn.qkv(x[None], torch.arange(t + 1))
     outs = []
@@ -69,6 +70,7 @@ def serve_reference(
     o = attn.o_proj(attend(q[0, :, t]).reshape(-1))
     h = layer.after_attention(o, residual[t])
     outs.append(model.lm_head(model.norm(h)))
+    h = model.norm(h) if c.norm_output else h  # EAGLE-3.1: the next step reads the post-norm state
     for step in range(1, steps):
         x, residual = layer.attn_input(model.embed_tokens(ids[t + 1 + step : t + 2 + step]), h[None])
         q, k, v = attn.qkv(x[None], torch.tensor([t + step]))
@@ -76,12 +78,22 @@ def serve_reference(
         o = attn.o_proj(attend(q[0, :, 0]).reshape(-1))
         h = layer.after_attention(o, residual[0])
         outs.append(model.lm_head(model.norm(h)))
+        h = model.norm(h) if c.norm_output else h
     return outs
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
-def test_ttt_steps_equal_step_by_step_drafting(arch):
-    model = small_model(arch)
+@pytest.mark.parametrize(
+    "arch, flags",
+    [
+        ("qwen3", {}),
+        ("llama", {}),
+        ("llama", {"norm_before_fc": True}),
+        ("qwen3", {"norm_output": True}),
+        ("llama", {"norm_before_fc": True, "norm_output": True}),
+    ],
+)
+def test_ttt_steps_equal_step_by_step_drafting(arch, flags):
+    model = small_model(arch, **flags)
     T, K = 12, 4
     ids = torch.randint(0, 50, (2, T))
     aux = torch.randn(2, T, 3 * 32)

@@ -65,6 +65,7 @@ class Shapes:
     draft_vocab: int
     target_hidden: int
     num_aux: int
+    norm_before_fc: bool = False  # EAGLE-3.1's input_norm over the concatenated aux states
 
     @classmethod
     def of(cls, c) -> Shapes:
@@ -79,6 +80,7 @@ class Shapes:
             c.draft_vocab_size,
             c.target_hidden_size,
             len(c.aux_layer_ids),
+            bool(getattr(c, "norm_before_fc", False)),
         )
 
 
@@ -176,6 +178,8 @@ class Layout:
             "lm_head.weight": ((s.draft_vocab, H), "float"),
             "t2d": ((s.vocab,), "bool"),
         }
+        if s.norm_before_fc:
+            out["input_norm.weight"] = ((s.num_aux * s.target_hidden,), "float")
         if s.arch == "qwen3":
             out[f"{p}self_attn.q_norm.weight"] = ((s.head_dim,), "float")
             out[f"{p}self_attn.k_norm.weight"] = ((s.head_dim,), "float")
@@ -230,6 +234,15 @@ class Layout:
             return [f"norm_before_residual must be written as a bool, got {cfg.get('norm_before_residual')!r}"]
         return []
 
+    def written_norms(self, cfg: dict) -> tuple[bool, list[str]]:
+        """(norm_before_fc as written, problems): EAGLE-3.1's flags must be bools where written."""
+        problems = [
+            f"{k} must be a bool, got {cfg[k]!r}"
+            for k in ("norm_before_fc", "norm_output")
+            if k in cfg and not isinstance(cfg[k], bool)
+        ]
+        return cfg.get("norm_before_fc") is True, problems
+
     def written_aux_ids(self, cfg: dict, num_layers: int) -> tuple[Any, str, tuple[int, int], list[str]]:
         """(the aux ids as written, where, their valid range in this layout's numbering, problems found on the way)."""
         return cfg.get("eagle_aux_hidden_state_layer_ids"), "eagle_aux_hidden_state_layer_ids", (1, num_layers), []
@@ -278,9 +291,11 @@ class Layout:
         if not isinstance(D, int) or not 1 <= D <= V:
             return problems + [f"draft_vocab_size={D!r} not an int in 1..{V}"]
         ids, id_problems = self.aux_ids(cfg, L)
-        problems += id_problems
+        norm_before_fc, norm_problems = self.written_norms(cfg)
+        problems += id_problems + norm_problems
         try:
-            shapes = Shapes(arch, *(int(layer[k]) for k in _SHAPE_KEYS), V, D, H, len(ids) if ids else 3)
+            numbers = (int(layer[k]) for k in _SHAPE_KEYS)
+            shapes = Shapes(arch, *numbers, V, D, H, len(ids) if ids else 3, norm_before_fc)
         except (TypeError, ValueError) as exc:
             return problems + [f"layer config values are not integers: {exc}"]
         tensor_issues, tensors = check_tensors(folder / WEIGHTS, self.expected_tensors(shapes), shapes, D, V)

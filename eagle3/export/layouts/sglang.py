@@ -33,6 +33,9 @@ class SglangLayout(Layout):
             )
         if c.norm_before_residual:
             reasons.append("SGLang's drafter always takes the residual before hidden_norm (norm_before_residual=False)")
+        for flag in ("norm_before_fc", "norm_output"):
+            if getattr(c, flag, False):
+                reasons.append(f"SGLang's EAGLE-3 drafter has no {flag} (EAGLE-3.1); it would ignore the trained norm")
         out_of_range = [i for i in c.aux_layer_ids if not 1 <= i <= num_target_layers - 1]
         if out_of_range:
             reasons.append(

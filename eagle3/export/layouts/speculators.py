@@ -6,7 +6,8 @@ turns it into the same model (vllm/transformers_utils/configs/speculators/algos.
 also holds what speculators' own Eagle-3 converter writes (speculators 0.9.0,
 convert/eagle/eagle3_converter.py and models/eagle3/config.py): the top-level fields
 ``speculators_version``, ``transformers_version``, ``norm_before_fc`` / ``fc_norm`` / ``norm_output``
-(false: this drafter has none of those norms; vLLM reads them too) and ``embed_requires_grad``, and the
+(the first and last as trained, train.norm_before_fc / norm_output; fc_norm always false; vLLM reads
+them too) and ``embed_requires_grad``, and the
 target's **whole** embedding table ``embed_tokens.weight`` [target vocab, H]. speculators builds
 ``embed_tokens`` over the full verifier vocabulary (``DraftVocabMixin._init_vocab``) and fills it from the
 verifier only when it is still NaN after loading, which transformers 5.x's initialisation defeats: without
@@ -39,8 +40,9 @@ KEYS = (
 # The speculators release whose Eagle3SpeculatorConfig this layout follows (its config records the
 # library version that wrote it; ours records the format it matches).
 FORMAT_VERSION = "0.9.0"
-# Norm variants speculators (and vLLM) can add to an Eagle-3 drafter; this drafter has none of them.
-ABSENT_NORMS = ("norm_before_fc", "fc_norm", "norm_output")
+# Norm variants speculators (and vLLM) can add to an Eagle-3 drafter: norm_before_fc and norm_output are
+# this drafter's train knobs (EAGLE-3.1), fc_norm (one norm per aux state) it never has.
+ABSENT_NORMS = ("fc_norm",)
 
 
 def _transformers_version() -> str:
@@ -64,7 +66,9 @@ class SpeculatorsLayout(Layout):
             "target_hidden_size": c.target_hidden_size,
             "norm_before_residual": bool(c.norm_before_residual),
             "eagle_aux_hidden_state_layer_ids": [int(i) for i in c.aux_layer_ids],
-            **{name: False for name in ABSENT_NORMS},
+            "norm_before_fc": bool(c.norm_before_fc),
+            "fc_norm": False,
+            "norm_output": bool(c.norm_output),
             "embed_requires_grad": False,  # the embedding is the target's, frozen (as training keeps it)
             "speculators_version": FORMAT_VERSION,
             "transformers_version": _transformers_version(),

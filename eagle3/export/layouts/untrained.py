@@ -14,12 +14,15 @@ def write_untrained_checkpoint(
     draft_ids=None,
     aux_layer_ids: list[int] | None = None,
     seed: int = 0,
+    norm_before_fc: bool = False,
+    norm_output: bool = False,
 ) -> Path:
     """A checkpoint folder as training writes one, holding an untrained drafter.
 
     Embeddings and the lm_head rows of the draft vocabulary come from the target (as training
     initialises them); the rest is random. ``draft_ids``: sorted target ids of the draft
-    vocabulary (None: the identity, all of them)."""
+    vocabulary (None: the identity, all of them). ``norm_before_fc`` / ``norm_output``: EAGLE-3.1's norms
+    (train.norm_before_fc / norm_output)."""
     import torch
     from safetensors.torch import save_file
 
@@ -42,7 +45,9 @@ def write_untrained_checkpoint(
     head_parts = load_target_head(str(target))
     embed, head = head_parts.embed, head_parts.lm_head
     torch.manual_seed(seed)
-    config = DrafterConfig.from_target(tcfg, int(ids.numel()), list(layers))
+    config = DrafterConfig.from_target(
+        tcfg, int(ids.numel()), list(layers), norm_before_fc=norm_before_fc, norm_output=norm_output
+    )
     model = Eagle3Drafter(config)
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[ids] = True

@@ -51,8 +51,18 @@ class VllmLayout(Layout):
             "draft_vocab_size": c.draft_vocab_size,
             "target_hidden_size": c.target_hidden_size,
             "norm_before_residual": bool(c.norm_before_residual),
+            # EAGLE-3.1's norms: vLLM reads norm_before_fc from eagle_config first, then top-level, and
+            # norm_output top-level; both are written where either is read.
+            "norm_before_fc": bool(c.norm_before_fc),
+            "norm_output": bool(c.norm_output),
             "eagle_aux_hidden_state_layer_ids": ids,
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
+            "eagle_config": {
+                "eagle_aux_hidden_state_layer_ids": ids,
+                "use_aux_hidden_state": True,
+                **(
+                    {"norm_before_fc": True} if c.norm_before_fc else {}
+                ),  # nested only when on: older exports as before
+            },
         }
 
     def config_view(self, cfg: dict) -> tuple[dict, list[str]]:
@@ -65,6 +75,15 @@ class VllmLayout(Layout):
                 f"architectures {cfg['architectures']} for model_type {arch}: expected [{ARCHITECTURES[arch]!r}]"
             )
         return problems + super().config_problems(cfg, layer, arch)
+
+    def written_norms(self, cfg: dict) -> tuple[bool, list[str]]:
+        top, problems = super().written_norms(cfg)
+        nested = eagle_config(cfg).get("norm_before_fc", cfg.get("norm_before_fc", False))
+        if nested is not top and "norm_before_fc" in eagle_config(cfg):
+            problems.append(
+                f"eagle_config.norm_before_fc={nested!r} differs from the top-level {top!r} (vLLM reads the nested one)"
+            )
+        return nested is True, problems
 
     def written_aux_ids(self, cfg: dict, num_layers: int):
         raw, where, bounds, problems = super().written_aux_ids(cfg, num_layers)
