@@ -1,0 +1,221 @@
+"""The sample-efficiency ablation: one arm at a time, at a reduced and equal data budget, judged live on the
+fixed evaluation suite. Its JSON is the lab notebook: every arm, its budget, its result.
+
+    .venv/bin/python benchmarks/bench_sample_efficiency.py --arm NAME [--set KEY=VALUE ...]
+        [--data-set KEY=VALUE ...] [--samples 300] [--recipe recipes/smollm2-135m-cpu.toml]
+
+- Data: the recipe's prepare, generate, tokenize, vocab and extract stages with ``data.self_prompts.count
+  = --samples`` (and any ``--data-set`` overrides: the data levers) into a run folder named after those
+  settings, ``runs/se-data-<hash>``, shared by every arm with the same data (a stage finds its work on
+  disk and returns at once, so the second arm pays nothing for data).
+- Arm: a folder ``runs/se-arm-<name>`` holding hard links to the data run's stage folders, then train,
+  export and evaluate there with the arm's ``--set`` overrides (the training levers). Evaluate measures
+  only the trained drafter, on the whole suite, temperature 0, concurrency 1 (each prompt's own counters:
+  tokens per target step, pooled and per category, bootstrap 95% interval over prompts).
+- Each arm is compared with the arm named ``--baseline`` (default ``baseline``) by a paired bootstrap
+  over the suite's prompts (the same prompts, so the prompts' own spread cancels out).
+- The record of every arm is kept in ``benchmarks/results/sample_efficiency.json`` (rewritten atomically
+  after each arm, so a session that ends mid-ablation loses no finished arm), with its wall and CPU
+  seconds per stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+import results_file  # noqa: E402
+from eagle3.durable import read_json  # noqa: E402
+
+DATA_STAGES = ("prepare", "generate", "tokenize", "vocab", "extract")
+ARM_STAGES = ("train", "export", "evaluate")
+LINKED = ("prompts", "generations", "tokenized", "vocab", "hidden_states")
+EVALUATE = (
+    'evaluate.methods=["trained"]',
+    'evaluate.prompt_sets=["suite"]',
+    "evaluate.temperatures=[0.0]",
+    "evaluate.concurrencies=[1]",
+    "evaluate.rounds=1",
+    "evaluate.compare_untrained=false",
+)
+OUT = results_file.RESULTS / "sample_efficiency.json"
+
+
+def run_stage(stage: str, recipe: str, sets: list[str], log: Path) -> dict:
+    """One CLI stage as a child process: its wall and CPU seconds (the child and everything it waited for)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    argv = [sys.executable, "-m", "cli", stage, "--config", recipe, *(a for s in sets for a in ("--set", s))]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    began = time.monotonic()
+    with open(log, "a") as fh:
+        fh.write(f"\n== {' '.join(argv)}\n")
+        fh.flush()
+        code = subprocess.run(argv, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=4 * 3600).returncode
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if code != 0:
+        sys.exit(f"stage {stage} failed (exit {code}); see {log}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {"wall_s": round(time.monotonic() - began, 1), "cpu_s": round(cpu, 1)}
+
+
+def data_dir(samples: int, data_sets: list[str]) -> str:
+    key = hashlib.sha256(json.dumps([samples, sorted(data_sets)]).encode()).hexdigest()[:10]
+    return f"runs/se-data-{samples}-{key}"
+
+
+def link_data(data: Path, arm: Path) -> None:
+    """The arm's run folder: hard links to the data run's stage folders (stages replace files by rename, never
+    write into an input in place, so the data run is never changed through a link)."""
+    arm.mkdir(parents=True, exist_ok=True)
+    for name in LINKED:
+        if not (arm / name).exists():
+            shutil.copytree(data / name, arm / name, copy_function=os.link)
+    if not (arm / "manifest.json").exists():
+        shutil.copy2(data / "manifest.json", arm / "manifest.json")
+
+
+def paired_difference(arm_rows: list[dict], base_rows: list[dict], seed: int = 0, resamples: int = 10_000) -> dict:
+    """tau(arm) - tau(baseline) over the prompts both answered, with a paired percentile-bootstrap interval."""
+    import numpy as np
+
+    def steps(r):
+        return r["completion_tokens"] - r["accepted_tokens"]
+
+    base = {r["id"]: r for r in base_rows if r["ok"] and steps(r) > 0}
+    pairs = [(r, base[r["id"]]) for r in arm_rows if r["ok"] and steps(r) > 0 and r["id"] in base]
+    if not pairs:
+        return {"prompts": 0, "difference": None, "ci95": None}
+    a_n = np.array([a["completion_tokens"] for a, _ in pairs], dtype=float)
+    a_d = np.array([steps(a) for a, _ in pairs], dtype=float)
+    b_n = np.array([b["completion_tokens"] for _, b in pairs], dtype=float)
+    b_d = np.array([steps(b) for _, b in pairs], dtype=float)
+    picks = np.random.default_rng(seed).integers(0, len(pairs), size=(resamples, len(pairs)))
+    diffs = a_n[picks].sum(1) / a_d[picks].sum(1) - b_n[picks].sum(1) / b_d[picks].sum(1)
+    low, high = np.quantile(diffs, [0.025, 0.975])
+    return {
+        "prompts": len(pairs),
+        "difference": float(a_n.sum() / a_d.sum() - b_n.sum() / b_d.sum()),
+        "ci95": [float(low), float(high)],
+    }
+
+
+def arm_result(arm: Path) -> dict:
+    live = read_json(arm / "evaluate" / "live.json")
+    table = live["acceptance"]["suite"]["trained"]
+    visit = next(v for v in live["visits"] if v["method"] == "trained" and v["prompt_set"] == "suite")
+    manifest = read_json(arm / "manifest.json")["stages"]
+    train = manifest.get("train", {})
+    return {
+        "acceptance_length": table["pooled"]["acceptance_length"],
+        "ci95": table["pooled"]["ci95"],
+        "by_category": {c: t["acceptance_length"] for c, t in table["categories"].items()},
+        "by_category_ci95": {c: t["ci95"] for c, t in table["categories"].items()},
+        "acceptance_length_vllm": table["pooled"]["acceptance_length_vllm"],
+        "offline_heldout_acceptance_length": (train.get("best") or {}).get("acceptance_length"),
+        "train_steps": train.get("in"),
+        "train_tokens": train.get("tokens"),
+        "suite_fingerprint": live["prompt_sets"]["suite"]["selection"]["fingerprint"],
+        "per_prompt": visit["per_prompt"],
+    }
+
+
+def supervised_tokens(run: Path) -> int | None:
+    entry = read_json(run / "manifest.json")["stages"].get("tokenize", {})
+    return entry.get("supervised_tokens") or entry.get("tokens")
+
+
+def summary_of(arms: dict, baseline: str) -> dict:
+    summary = {"arms": len(arms)}
+    if baseline in arms:
+        summary["baseline_acceptance_length"] = arms[baseline]["result"]["acceptance_length"]
+    best = max(arms, key=lambda n: arms[n]["result"]["acceptance_length"] or 0.0)
+    summary["best_acceptance_length"] = arms[best]["result"]["acceptance_length"]
+    summary["best_ci95_low"], summary["best_ci95_high"] = arms[best]["result"]["ci95"]
+    diff = arms[best].get("vs_baseline") or {}
+    if diff.get("difference") is not None:
+        summary["best_minus_baseline"] = diff["difference"]
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arm", required=True, help="the arm's name (its run folder and its key in the JSON)")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE", help="a training lever")
+    parser.add_argument("--data-set", dest="data_sets", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--samples", type=int, default=300)
+    parser.add_argument("--recipe", default="recipes/smollm2-135m-cpu.toml")
+    parser.add_argument("--baseline", default="baseline")
+    parser.add_argument("--note", default="", help="why this arm: written beside its result")
+    parser.add_argument("--out", default=str(OUT))
+    args = parser.parse_args()
+    started = results_file.provenance()
+    began = time.monotonic()
+    data_run = data_dir(args.samples, args.data_sets)
+    common = [f"data.self_prompts.count={args.samples}", *args.data_sets]
+    (ROOT / data_run).mkdir(parents=True, exist_ok=True)
+    log = ROOT / data_run / "benchmark.log"
+    stages = {}
+    for stage in DATA_STAGES:
+        stages[stage] = run_stage(stage, args.recipe, [f'run_dir="{data_run}"', *common], log)
+        print(f"data {stage}: {stages[stage]}", flush=True)
+    arm_run = f"runs/se-arm-{args.arm}"
+    link_data(ROOT / data_run, ROOT / arm_run)
+    arm_sets = [f'run_dir="{arm_run}"', *common, *args.sets, *EVALUATE]
+    for stage in ARM_STAGES:
+        stages[stage] = run_stage(stage, args.recipe, arm_sets, ROOT / arm_run / "benchmark.log")
+        print(f"arm {args.arm} {stage}: {stages[stage]}", flush=True)
+    result = arm_result(ROOT / arm_run)
+    doc = read_json(Path(args.out)) if Path(args.out).exists() else {}
+    arms = doc.get("arms", {})
+    arms[args.arm] = {
+        "note": args.note,
+        "sets": args.sets,
+        "data_sets": args.data_sets,
+        "budget": {
+            "samples": args.samples,
+            "supervised_tokens": supervised_tokens(ROOT / data_run),
+            "train_steps": result["train_steps"],
+        },
+        "stages": stages,
+        "cpu_s_train_export_evaluate": round(sum(stages[s]["cpu_s"] for s in ARM_STAGES), 1),
+        "cpu_s_data": round(sum(stages[s]["cpu_s"] for s in DATA_STAGES), 1),
+        "wall_s": round(time.monotonic() - began, 1),
+        "commit": started["commit"],
+        "date": started["date"],
+        "data_run": data_run,
+        "result": {k: v for k, v in result.items() if k != "per_prompt"},
+        "per_prompt": result["per_prompt"],
+    }
+    base = arms.get(args.baseline)
+    for name, arm in arms.items():
+        if base is not None and name != args.baseline:
+            arm["vs_baseline"] = paired_difference(arm["per_prompt"], base["per_prompt"])
+    results_file.write(
+        args.out,
+        "sample_efficiency",
+        summary_of(arms, args.baseline),
+        started=started,
+        recipe=args.recipe,
+        baseline=args.baseline,
+        protocol=__doc__.split("\n\n", 2)[2],
+        arms=arms,
+    )
+    res = arms[args.arm]["result"]
+    print(f"arm {args.arm}: tau {res['acceptance_length']:.3f} {res['ci95']} {res['by_category']}", flush=True)
+    if "vs_baseline" in arms[args.arm]:
+        print(f"  vs {args.baseline}: {arms[args.arm]['vs_baseline']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
