@@ -28,7 +28,8 @@ from eagle3.evaluate.measure import DECODE_RATE_DEFINITION
 from eagle3.evaluate.metrics import fetch_metrics, metrics_delta, parse_spec_metrics  # noqa: F401  (re-exported)
 from eagle3.evaluate.prompts import MissingInput, prompt_sets, select_prompts  # noqa: F401  (re-exported)
 from eagle3.layout import RunLayout
-from eagle3.manifest import StageCounts, record_stage, versions
+from eagle3.manifest import record_stage, versions
+from eagle3.results import StageCounts
 
 STAGE = "evaluate"
 

@@ -409,7 +409,8 @@ def write_online(config: PipelineConfig, the_plan: Plan, shards: list[str]) -> d
 
 
 def record(config: PipelineConfig, results: list[ExtractResult], the_plan: Plan) -> dict:
-    from eagle3.manifest import StageCounts, record_stage, versions
+    from eagle3.manifest import record_stage, versions
+    from eagle3.results import StageCounts
 
     counts = StageCounts(sum(r.in_ for r in results), sum(r.ok for r in results))
     return record_stage(

@@ -16,8 +16,9 @@ from eagle3.errors import MissingInputError, TransientError
 from eagle3.generate.client import deadline_s
 from eagle3.generate.shard import STAGE, paths
 from eagle3.layout import RunLayout
-from eagle3.manifest import StageCounts, record_stage, versions
+from eagle3.manifest import record_stage, versions
 from eagle3.markers import read_marker
+from eagle3.results import StageCounts
 
 
 class GenerationFailed(TransientError, RuntimeError):

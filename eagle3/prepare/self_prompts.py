@@ -48,10 +48,11 @@ from eagle3.errors import UserError
 from eagle3.generate.client import EndpointPool, Stats, request_with_retries
 from eagle3.generate.records import JsonlAppender, iter_records
 from eagle3.layout import STAGE_MARKER, RunLayout
-from eagle3.manifest import StageCounts, record_stage
+from eagle3.manifest import record_stage
 from eagle3.markers import Marker, read_marker, write_marker
 from eagle3.prepare.dedup import NearDuplicates
 from eagle3.prepare.turn_prefix import TurnPrefix, derive_all
+from eagle3.results import StageCounts
 
 SELF_SOURCE = "self:prompts"
 STAGE = "self_prompts"

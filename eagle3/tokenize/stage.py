@@ -449,7 +449,8 @@ def tokenize_shard(config: PipelineConfig, shard: str, tokenizer, tok_path: str,
 
 def record(config: PipelineConfig, results: list[TokenizeResult], tok_path: str) -> dict:
     """The stage's manifest entry: counts, reasons, token totals and the template check."""
-    from eagle3.manifest import StageCounts, record_stage, versions
+    from eagle3.manifest import record_stage, versions
+    from eagle3.results import StageCounts
 
     reasons: dict[str, int] = {}
     checks = {"checked": 0, "prompt_mismatch": 0, "full_mismatch": 0}

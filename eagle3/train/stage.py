@@ -241,7 +241,8 @@ def _run_streamed(
 
 
 def record(config: PipelineConfig, result: dict, layer_ids: list[int], seconds: float) -> dict:
-    from eagle3.manifest import StageCounts, record_stage, versions
+    from eagle3.manifest import record_stage, versions
+    from eagle3.results import StageCounts
 
     steps = int(result["steps"])
     layout = RunLayout.of(config)

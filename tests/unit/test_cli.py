@@ -150,8 +150,9 @@ def test_extract_without_tokenized_shards_is_one_clear_message(tmp_path):
 
 
 def test_the_run_report_reads_everything_from_the_run_dir(tmp_path):
-    from eagle3.manifest import StageCounts, record_stage
+    from eagle3.manifest import record_stage
     from eagle3.report import write_report
+    from eagle3.results import StageCounts
 
     record_stage(tmp_path, "prepare", StageCounts(5, 3, 0, 2, {"empty": 2}), status="ok")
     record_stage(tmp_path, "generate", StageCounts(3, 2, 1, 0, {"timeout": 1}), status="ok")

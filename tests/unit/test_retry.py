@@ -15,7 +15,7 @@ PERMANENT = frozenset(
         "eagle3.durable.UnsafeDeleteError",
         "eagle3.schemas.SchemaError",
         "eagle3.schemas.TokenizerMismatchError",
-        "eagle3.manifest.AccountingError",
+        "eagle3.results.AccountingError",
         "eagle3.models.ModelNotFoundError",
         "eagle3.generate.records.RecordFileError",
         "eagle3.tokenize.stage.TokenizeInputError",

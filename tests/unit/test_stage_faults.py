@@ -298,7 +298,8 @@ def stored_extract(config, names, layer_ids=(1, 2, 3)) -> None:
     import numpy as np
     from safetensors.numpy import save_file
 
-    from eagle3.manifest import StageCounts, record_stage
+    from eagle3.manifest import record_stage
+    from eagle3.results import StageCounts
 
     vocab = Path(config.run_dir) / "vocab"
     vocab.mkdir(exist_ok=True)

@@ -13,7 +13,8 @@ import pytest
 from conftest import DEMO_RECIPE, ROOT
 from eagle3 import stages
 from eagle3.config import load_config
-from eagle3.manifest import StageCounts, record_stage
+from eagle3.manifest import record_stage
+from eagle3.results import StageCounts
 
 CALLS: list[str] = []
 
