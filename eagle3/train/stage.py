@@ -19,11 +19,13 @@ import sys
 import time
 from pathlib import Path
 
+from eagle3.cluster.train import run_on_cluster
 from eagle3.config import PipelineConfig, section_hash
 from eagle3.durable import atomic_write_json, read_json, remove_inside
-from eagle3.errors import InputError, MissingInputError, TransientError, run_first
+from eagle3.errors import InputError, MissingInputError, TrainFailed, run_first
 from eagle3.layout import RunLayout
 from eagle3.markers import remove_marker, write_marker
+from eagle3.torchrun import torchrun_env
 
 STAGE = "train"
 
@@ -39,10 +41,6 @@ TrainInputError = MissingInputError
 
 class TrainDataError(InputError, ValueError):
     """Training inputs that do not line up (names the file and what differs)."""
-
-
-class TrainFailed(TransientError, RuntimeError):
-    """torchrun exited with an error or ran past its deadline."""
 
 
 def layer_ids_for(config: PipelineConfig) -> list[int]:
@@ -163,8 +161,6 @@ def _run_on_cluster(config: PipelineConfig, request: Path, log, on_line) -> None
     """torchrun on train.nnodes Ray nodes (eagle3/cluster/train.py). Each process gets
     cluster.train_cpus_per_process threads (what Ray reserved for it) unless OMP_NUM_THREADS is set
     here; the request path is absolute, since the nodes run in the flow's working directory."""
-    from eagle3.cluster.train import run_on_cluster
-
     threads = int(os.environ.get("OMP_NUM_THREADS") or max(1, int(config.cluster.train_cpus_per_process)))
     watch, disk_errors = _watcher(on_line)
     try:
@@ -193,18 +189,6 @@ def _raise_disk_error(disk_errors: list[str]) -> None:
         from eagle3.durable import DiskWriteError
 
         raise DiskWriteError(errno.EIO, disk_errors[0])
-
-
-def torchrun_env(threads: int, base: dict | None = None) -> dict[str, str]:
-    """torchrun's environment: ``base`` (default: this process's) with unbuffered output and
-    ``threads`` OpenMP threads per process unless ``base`` sets them."""
-    base = dict(os.environ if base is None else base)
-    env = {**base, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": base.get("OMP_NUM_THREADS", str(threads))}
-    # MKL's reproducibility conditions: a fixed thread count, not one it may lower at run time, so
-    # that a resumed run repeats the uninterrupted run's CPU arithmetic (an environment setting wins).
-    for name in ("MKL_DYNAMIC", "OMP_DYNAMIC"):
-        env.setdefault(name, "FALSE")
-    return env
 
 
 def _run_streamed(

@@ -118,8 +118,8 @@ def test_os_errors_keep_their_fields_inside_the_hierarchy():
 def test_retry_policy_refuses_permanent_errors_and_retries_transient_ones():
     from prefect.states import Failed
 
+    from eagle3.errors import TrainFailed
     from eagle3.serving.managed import ServerError
-    from eagle3.train.stage import TrainFailed
     from tasks.generate import ShardIncomplete
     from tasks.retry import unless_permanent
 
