@@ -170,7 +170,7 @@ async def _pass(url: str, config, shards: list[Path]) -> list[dict]:
 
 def client_main(url: str, run_dir: Path) -> None:
     """Pass 1 over every shard, then up to SHARD_RETRIES resume passes over the incomplete ones."""
-    from eagle3.generate.stage import prepared_shards
+    from eagle3.run_facts import prepared_shards
 
     config = _config(run_dir)
     todo = list(prepared_shards(config))

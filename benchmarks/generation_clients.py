@@ -103,7 +103,8 @@ async def pipeline(url: str, config, key: str | None = None) -> int:
     append per record (fsync every generation.fsync_every), accounting and the completion marker."""
     from eagle3.generate.client import EndpointPool
     from eagle3.generate.shard import generate_shard
-    from eagle3.generate.stage import out_dir, prepared_shards
+    from eagle3.generate.stage import out_dir
+    from eagle3.run_facts import prepared_shards
 
     shards = prepared_shards(config)
     parallel = min(config.generation.shard_parallelism, len(shards))

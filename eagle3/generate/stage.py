@@ -12,7 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 from eagle3.config import GenerationConfig, PipelineConfig, section_hash
-from eagle3.errors import MissingInputError, TransientError
+from eagle3.errors import TransientError
 from eagle3.generate.client import deadline_s
 from eagle3.generate.shard import STAGE, paths
 from eagle3.layout import RunLayout
@@ -27,18 +27,6 @@ class GenerationFailed(TransientError, RuntimeError):
 
 def out_dir(config: PipelineConfig) -> Path:
     return RunLayout.of(config).generations
-
-
-def prepared_shards(config: PipelineConfig) -> dict[Path, int]:
-    """The prompt shards named by prepare's completion marker, with their row counts."""
-    from eagle3.prepare.stage import STAGE as PREPARE
-
-    layout = RunLayout.of(config)
-    marker = read_marker(layout.prompts_marker, PREPARE)
-    if marker is None:
-        hint = "run the prepare stage first (eagle3 prepare, or eagle3 run)"
-        raise MissingInputError(STAGE, layout.prompts_marker, hint)
-    return {layout.prompt_shard(s["name"]): s["rows"] for s in marker["shards"]}
 
 
 def shard_timeout_s(num_prompts: int, concurrency: int, gen: GenerationConfig) -> float:
@@ -141,25 +129,6 @@ def record(config: PipelineConfig, summary: dict, model: str, server: dict | Non
     if error:
         raise GenerationFailed(error)
     return entry
-
-
-def expected_target(config: PipelineConfig) -> tuple[str, str]:
-    """(model name requests use, template hash) as target_server will report them, without a server."""
-    from eagle3.models import resolve_model, served_name, template_hash
-
-    server = config.server
-    if server.mode == "external":
-        return server.served_model_name or server.model, ""
-    path = resolve_model(server.model)
-    return served_name(server.model, path, server.served_model_name), template_hash(path)
-
-
-def request_plan(config: PipelineConfig) -> dict:
-    """The keyword arguments of generate_shard / is_complete / generation_key that come from outside
-    [generation]: the regenerate mode (data.turns) and the request fields the reasoning mode adds."""
-    from eagle3.reasoning import request_extras_for
-
-    return {"regenerate": config.data.turns == "regenerate", "extras": request_extras_for(config) or None}
 
 
 def summary_line(entry: dict, run_dir: str | Path) -> str:

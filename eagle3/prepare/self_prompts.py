@@ -53,6 +53,7 @@ from eagle3.markers import Marker, read_marker, write_marker
 from eagle3.prepare.dedup import NearDuplicates
 from eagle3.prepare.turn_prefix import TurnPrefix, derive_all
 from eagle3.results import StageCounts
+from eagle3.tokenizer import load_tokenizer
 
 SELF_SOURCE = "self:prompts"
 STAGE = "self_prompts"
@@ -91,7 +92,6 @@ class Plan:
 def make_plan(config: PipelineConfig) -> Plan:
     """Derive each system prompt's prefix from the target's own chat template (loads its tokenizer)."""
     from eagle3.models import resolve_model
-    from eagle3.tokenize.stage import load_tokenizer
 
     sp = config.data.self_prompts
     path = resolve_model(config.server.model)

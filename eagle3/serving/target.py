@@ -22,7 +22,6 @@ from pathlib import Path
 from eagle3.cluster.serve import Replicas
 from eagle3.config import PipelineConfig
 from eagle3.errors import TransientError
-from eagle3.generate.stage import expected_target  # noqa: F401  (flows import it from here)
 from eagle3.layout import RunLayout
 from eagle3.serving.managed import managed_server
 

@@ -25,6 +25,8 @@ from eagle3.durable import atomic_write_json, read_json, remove_inside
 from eagle3.errors import InputError, MissingInputError, TrainFailed, run_first
 from eagle3.layout import RunLayout
 from eagle3.markers import remove_marker, write_marker
+from eagle3.run_facts import read_tokenized_done
+from eagle3.tokenizer import tokenizer_path
 from eagle3.torchrun import torchrun_env
 
 STAGE = "train"
@@ -72,14 +74,13 @@ def check_tokenized(config: PipelineConfig, shards: list[str]) -> None:
         check_tokenizer,
         tokenizer_hash,
     )
-    from eagle3.tokenize.stage import read_done, tokenizer_path
 
     tok_path = tokenizer_path(config)
     tok_hash = tokenizer_hash(tok_path)
     layout = RunLayout.of(config)
     for shard in shards:
         files = layout.tokenized_files(shard)
-        path, done = files["parquet"], read_done(files["done"])
+        path, done = files["parquet"], read_tokenized_done(files["done"])
         if done is None:
             raise TrainDataError(f"{path}: not tokenized (no {files['done'].name}); run `eagle3 tokenize`")
         check_schema(path, (TOKENIZED_IDS, TOKENIZED_INPUT_IDS, TOKENIZED_LOSS_MASK), "tokenized shard")

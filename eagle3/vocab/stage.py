@@ -17,7 +17,7 @@ from eagle3.layout import RunLayout
 from eagle3.manifest import record_stage
 from eagle3.markers import remove_marker, write_marker
 from eagle3.results import StageCounts
-from eagle3.tokenize.stage import load_tokenizer, target_vocab_size, tokenizer_path
+from eagle3.tokenizer import load_tokenizer, target_vocab_size, tokenizer_path
 from eagle3.vocab.mapping import build, must_keep, save, sum_counts
 
 STAGE = "vocab"

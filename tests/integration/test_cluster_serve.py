@@ -161,10 +161,11 @@ async def two_phases(config, watcher: threading.Thread, killed: dict) -> dict:
     from eagle3.generate import stage
     from eagle3.generate.client import EndpointPool, deadline_s
     from eagle3.generate.shard import generate_shard
+    from eagle3.run_facts import prepared_shards, request_plan
     from eagle3.serving.target import outage_wait_s, replica_events, target_server
 
     log = logging.getLogger("test.cluster_serve")
-    gen, shards, timings = config.generation, list(stage.prepared_shards(config)), {}
+    gen, shards, timings = config.generation, list(prepared_shards(config)), {}
 
     async def shard(path: Path):
         target = serving.target
@@ -187,7 +188,7 @@ async def two_phases(config, watcher: threading.Thread, killed: dict) -> dict:
                 target.template_hash,
                 logger=log,
                 concurrency=gen.concurrency,
-                **stage.request_plan(config),
+                **request_plan(config),
             )
         finally:
             await pool.close()

@@ -83,11 +83,11 @@ def test_the_six_missing_input_names_are_one_type():
     from eagle3.evaluate.prompts import MissingInput
     from eagle3.export.stage import MissingCheckpoint
     from eagle3.extract.errors import ExtractInputError
-    from eagle3.generate.stage import MissingInputError as generate_missing
+    from eagle3.run_facts import MissingInputError as facts_missing
     from eagle3.tokenize.stage import TokenizeInputError
     from eagle3.train.stage import TrainInputError
 
-    for alias in (ExtractInputError, TrainInputError, TokenizeInputError, generate_missing, MissingInput, live_missing):
+    for alias in (ExtractInputError, TrainInputError, TokenizeInputError, facts_missing, MissingInput, live_missing):
         assert alias is MissingInputError
     assert issubclass(MissingCheckpoint, MissingInputError)
 
@@ -150,7 +150,7 @@ def _stage_calls():
     """What each stage's flow first calls, on an empty run directory (the real library functions)."""
     from eagle3.evaluate.live import run_evaluate
     from eagle3.export.stage import run_export
-    from eagle3.generate.stage import prepared_shards
+    from eagle3.run_facts import prepared_shards
     from eagle3.tokenize.stage import tokenize_shard
     from eagle3.train.stage import run_train
     from eagle3.vocab.stage import run_vocab

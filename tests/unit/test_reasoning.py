@@ -28,7 +28,8 @@ from eagle3.reasoning import (  # noqa: E402
     strip_reasoning,
 )
 from eagle3.tokenize.build import answer_only, render_ids  # noqa: E402
-from eagle3.tokenize.stage import load_tokenizer, tokenize_shard, tokenizer_path  # noqa: E402
+from eagle3.tokenize.stage import tokenize_shard  # noqa: E402
+from eagle3.tokenizer import load_tokenizer, tokenizer_path  # noqa: E402
 from test_tokenize import segments  # noqa: E402
 from tokenize_cases import tokenizer_for  # noqa: E402
 

@@ -16,8 +16,8 @@ from eagle3.generate.client import EndpointPool
 from eagle3.generate.conversation import turns_path
 from eagle3.generate.records import read_records
 from eagle3.generate.shard import generate_shard, paths
-from eagle3.generate.stage import request_plan
 from eagle3.prepare.stage import run_prepare
+from eagle3.run_facts import request_plan
 from fake_openai import FakeConfig, FaultRule, run_fake_server
 from test_generate_faults import FAST, accounting
 

@@ -261,7 +261,8 @@ def test_a_prompt_shard_with_the_wrong_columns_is_refused_before_any_request(tmp
 
 def test_a_prompt_shard_with_the_wrong_columns_is_refused_by_tokenize(tmp_path):
     from eagle3.config import DEMO_RECIPE, load_config
-    from eagle3.tokenize.stage import load_tokenizer, tokenize_shard, tokenizer_path
+    from eagle3.tokenize.stage import tokenize_shard
+    from eagle3.tokenizer import load_tokenizer, tokenizer_path
     from test_kills import make_inputs
 
     run = tmp_path / "run"
@@ -358,7 +359,8 @@ def test_a_tokenizer_changed_since_tokenize_is_refused_by_extract_and_train(tmp_
     from eagle3.config import DEMO_RECIPE, load_config
     from eagle3.extract.stage import plan
     from eagle3.models import resolve_model
-    from eagle3.tokenize.stage import load_tokenizer, tokenize_shard, tokenizer_path
+    from eagle3.tokenize.stage import tokenize_shard
+    from eagle3.tokenizer import load_tokenizer, tokenizer_path
     from eagle3.train.stage import run_train
     from test_kills import make_inputs
 
