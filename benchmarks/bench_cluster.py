@@ -44,8 +44,8 @@ def make_inputs(run: Path, rows: int, shards: int, seed: int = 0) -> None:
     import pyarrow.parquet as pq
 
     from eagle3.config import DEMO_RECIPE, load_config
-    from eagle3.generate.records import JsonlAppender
     from eagle3.prepare.stage import run_prepare
+    from eagle3.records import JsonlAppender
     from eagle3.tokenize.build import render_ids
     from eagle3.tokenizer import load_tokenizer, tokenizer_path
 

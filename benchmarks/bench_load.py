@@ -134,9 +134,9 @@ def _fake(n: int) -> FakeConfig:
 
 async def _pass(url: str, config, shards: list[Path]) -> list[dict]:
     """One pass over `shards`, split and bounded as flows/generate.py does."""
-    from eagle3.generate.client import EndpointPool, deadline_s
     from eagle3.generate.shard import generate_shard, paths
     from eagle3.generate.stage import out_dir
+    from eagle3.serving.client import EndpointPool, deadline_s
 
     gen = config.generation
     parallel = min(gen.shard_parallelism, len(shards))

@@ -13,12 +13,12 @@ from pathlib import Path
 
 from eagle3.config import GenerationConfig, PipelineConfig, section_hash
 from eagle3.errors import TransientError
-from eagle3.generate.client import deadline_s
 from eagle3.generate.shard import STAGE, paths
 from eagle3.layout import RunLayout
 from eagle3.manifest import record_stage, versions
 from eagle3.markers import read_marker
 from eagle3.results import StageCounts
+from eagle3.serving.client import deadline_s
 
 
 class GenerationFailed(TransientError, RuntimeError):
@@ -78,8 +78,8 @@ def _readable(variants: Counter) -> dict[str, int]:
 def _unfinished(config: PipelineConfig, shard: Path) -> dict:
     import pyarrow.parquet as pq
 
-    from eagle3.generate.records import read_ids
     from eagle3.generate.samples import expected_ids
+    from eagle3.records import read_ids
 
     p = paths(out_dir(config), shard.name)
     prompt_ids = pq.read_table(shard, columns=["id"]).column("id").to_pylist()

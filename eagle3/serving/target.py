@@ -74,7 +74,7 @@ class Serving:
 
     def benches(self) -> dict[str, int]:
         """{replica URL: times benched} during this flow, from the events the shard tasks wrote."""
-        from eagle3.generate.records import read_records
+        from eagle3.records import read_records
 
         if self.events is None or not self.events.exists():
             return {}

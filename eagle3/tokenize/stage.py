@@ -37,10 +37,10 @@ from eagle3.durable import (
     writing,
 )
 from eagle3.errors import MissingInputError, run_first
-from eagle3.generate.records import read_records
 from eagle3.layout import RunLayout
 from eagle3.markers import read_marker, remove_marker, write_marker
 from eagle3.reasoning import key_parts, template_kwargs
+from eagle3.records import read_records
 from eagle3.run_facts import expected_target, read_tokenized_done, request_plan
 from eagle3.schemas import PROMPT_COLUMNS, check_schema, tokenizer_hash
 from eagle3.tokenize.build import (

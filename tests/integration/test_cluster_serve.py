@@ -159,9 +159,9 @@ async def two_phases(config, watcher: threading.Thread, killed: dict) -> dict:
     """Shard 0 with replica 0 killed mid-way, wait for its restart, shard 1 on both; the stage's record.
     Returns how long the start and the restart took."""
     from eagle3.generate import stage
-    from eagle3.generate.client import EndpointPool, deadline_s
     from eagle3.generate.shard import generate_shard
     from eagle3.run_facts import prepared_shards, request_plan
+    from eagle3.serving.client import EndpointPool, deadline_s
     from eagle3.serving.target import outage_wait_s, replica_events, target_server
 
     log = logging.getLogger("test.cluster_serve")

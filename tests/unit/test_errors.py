@@ -27,7 +27,7 @@ from eagle3.errors import (
 # error reaches the pipeline as its last stderr line, raised there as VllmExtractError).
 OUTSIDE = {"eagle3.extract.vllm_worker", "eagle3.extract.vllm_connector"}
 # Classes whose instances differ: a generation request fails transiently (timeout, 5xx) or not (400).
-PER_INSTANCE = {"eagle3.generate.client.Failure", "eagle3.generate.client.StatusError"}
+PER_INSTANCE = {"eagle3.serving.client.Failure", "eagle3.serving.client.StatusError"}
 
 
 def _modules():
@@ -72,7 +72,7 @@ def test_every_error_class_is_placed_in_the_hierarchy(name):
 
 
 def test_a_per_instance_failure_is_classified_by_its_flag():
-    from eagle3.generate.client import Failure
+    from eagle3.serving.client import Failure
 
     assert is_permanent(Failure("http_400", "bad request", False))
     assert not is_permanent(Failure("timeout", "no response", True))

@@ -41,8 +41,8 @@ print("done", flush=True)
 def make_inputs(run: Path, n: int = 400) -> None:
     """Prompt shards and finished generation shards with server ids, as the generate stage leaves them."""
     from eagle3.config import DEMO_RECIPE, load_config
-    from eagle3.generate.records import JsonlAppender
     from eagle3.prepare.stage import run_prepare
+    from eagle3.records import JsonlAppender
     from eagle3.tokenize.build import render_ids
     from eagle3.tokenizer import load_tokenizer, tokenizer_path
 

@@ -101,10 +101,10 @@ def _tiny_run(tmp_path):
     """prepare, generate (against the fake server), tokenize, vocab and extract on a tiny run."""
     from eagle3.config import DEMO_RECIPE, load_config
     from eagle3.extract.stage import extract_shard, plan, record
-    from eagle3.generate.client import EndpointPool
     from eagle3.generate.shard import generate_shard
     from eagle3.prepare.stage import run_prepare
     from eagle3.run_facts import expected_target
+    from eagle3.serving.client import EndpointPool
     from eagle3.tokenize.stage import tokenize_shard
     from eagle3.tokenizer import load_tokenizer, tokenizer_path
     from eagle3.vocab.stage import run_vocab

@@ -85,8 +85,8 @@ def offline_cache(hub, monkeypatch):
 
 def make_run(tmp_path: Path, *sets: str):
     """A run with one prompt shard and one finished generation shard of server token ids."""
-    from eagle3.generate.records import JsonlAppender
     from eagle3.prepare.stage import run_prepare
+    from eagle3.records import JsonlAppender
     from eagle3.tokenize.build import render_ids
     from eagle3.tokenizer import load_tokenizer, tokenizer_path
 

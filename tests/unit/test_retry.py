@@ -17,7 +17,7 @@ PERMANENT = frozenset(
         "eagle3.schemas.TokenizerMismatchError",
         "eagle3.results.AccountingError",
         "eagle3.models.ModelNotFoundError",
-        "eagle3.generate.records.RecordFileError",
+        "eagle3.records.RecordFileError",
         "eagle3.tokenize.stage.TokenizeInputError",
         "eagle3.extract.errors.ExtractInputError",
         "eagle3.extract.errors.DiskSpaceError",

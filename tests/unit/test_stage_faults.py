@@ -15,8 +15,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from eagle3 import records as records_module
 from eagle3.durable import DiskWriteError, sha256_file
-from eagle3.generate import records as records_module
 from eagle3.generate.shard import paths
 from eagle3.schemas import SchemaError, TokenizerMismatchError, tokenizer_hash
 from fake_openai import FakeConfig, run_fake_server
@@ -93,7 +93,7 @@ def test_a_failing_write_during_generation_leaves_no_marker_and_no_torn_record(t
         kept = [json.loads(line) for line in raw.splitlines()]
         if fault == "full_disk_mid_record":
             assert len(kept) == 11, "the records before the fault are kept, the torn one is not"
-        # A full disk stops the shard at the failing write. An fsync runs behind (records.py): the records
+        # A full disk stops the shard at the failing write. An fsync runs behind (eagle3/records.py): the records
         # that arrived while it ran are written before its failure is seen, possibly all of them.
         assert len(kept) < len(PROMPTS) if fault == "full_disk_mid_record" else len(kept) <= len(PROMPTS)
         assert len({r["id"] for r in kept}) == len(kept)

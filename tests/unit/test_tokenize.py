@@ -11,8 +11,8 @@ from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "tests" / "golden"))
 from eagle3.config import DEMO_RECIPE, load_config  # noqa: E402
-from eagle3.generate.records import JsonlAppender  # noqa: E402
 from eagle3.prepare.stage import run_prepare  # noqa: E402
+from eagle3.records import JsonlAppender  # noqa: E402
 from eagle3.tokenize.build import from_template, render_ids  # noqa: E402
 from eagle3.tokenize.stage import TokenizeInputError, record, tokenize_shard  # noqa: E402
 from eagle3.tokenizer import load_tokenizer, tokenizer_path  # noqa: E402
