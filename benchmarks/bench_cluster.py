@@ -44,10 +44,10 @@ def make_inputs(run: Path, rows: int, shards: int, seed: int = 0) -> None:
     import pyarrow.parquet as pq
 
     from eagle3.config import DEMO_RECIPE, load_config
-    from eagle3.generate.records import JsonlAppender
     from eagle3.prepare.stage import run_prepare
+    from eagle3.records import JsonlAppender
     from eagle3.tokenize.build import render_ids
-    from eagle3.tokenize.stage import load_tokenizer, tokenizer_path
+    from eagle3.tokenizer import load_tokenizer, tokenizer_path
 
     rng = random.Random(seed)
     src = run.parent / f"{run.name}-prompts.jsonl"
@@ -111,7 +111,8 @@ def one_run(base: Path, work: Path, stage: str, name: str, address: str | None, 
 def tokenized_base(base: Path, rows: int, shards: int) -> None:
     """Inputs of the extract stage: tokenized shards and the draft vocabulary, made once, untimed."""
     from eagle3.config import DEMO_RECIPE, load_config
-    from eagle3.tokenize.stage import load_tokenizer, tokenize_shard, tokenizer_path
+    from eagle3.tokenize.stage import tokenize_shard
+    from eagle3.tokenizer import load_tokenizer, tokenizer_path
     from eagle3.vocab.stage import run_vocab
 
     make_inputs(base, rows, shards, seed=1)

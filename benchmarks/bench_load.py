@@ -134,9 +134,9 @@ def _fake(n: int) -> FakeConfig:
 
 async def _pass(url: str, config, shards: list[Path]) -> list[dict]:
     """One pass over `shards`, split and bounded as flows/generate.py does."""
-    from eagle3.generate.client import EndpointPool, deadline_s
     from eagle3.generate.shard import generate_shard, paths
     from eagle3.generate.stage import out_dir
+    from eagle3.serving.client import EndpointPool, deadline_s
 
     gen = config.generation
     parallel = min(gen.shard_parallelism, len(shards))
@@ -170,7 +170,7 @@ async def _pass(url: str, config, shards: list[Path]) -> list[dict]:
 
 def client_main(url: str, run_dir: Path) -> None:
     """Pass 1 over every shard, then up to SHARD_RETRIES resume passes over the incomplete ones."""
-    from eagle3.generate.stage import prepared_shards
+    from eagle3.run_facts import prepared_shards
 
     config = _config(run_dir)
     todo = list(prepared_shards(config))

@@ -41,11 +41,12 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import results_file  # noqa: E402
 from eagle3.config import DEMO_RECIPE, load_config  # noqa: E402
-from eagle3.generate.records import JsonlAppender  # noqa: E402
 from eagle3.prepare.stage import run_prepare  # noqa: E402
+from eagle3.records import JsonlAppender  # noqa: E402
 from eagle3.tokenize import build  # noqa: E402
 from eagle3.tokenize.build import conversation, render_ids  # noqa: E402
-from eagle3.tokenize.stage import load_tokenizer, tokenize_shard, tokenizer_path  # noqa: E402
+from eagle3.tokenize.stage import tokenize_shard  # noqa: E402
+from eagle3.tokenizer import load_tokenizer, tokenizer_path  # noqa: E402
 
 WORDS = (
     "the model answers with a short proof that each step follows from the last one and then checks "

@@ -44,7 +44,7 @@ async def baseline(
     different split would measure the split, not the client."""
     import httpx
 
-    from eagle3.generate.client import CONNECTIONS_PER_CLIENT as PER_CLIENT
+    from eagle3.serving.client import CONNECTIONS_PER_CLIENT as PER_CLIENT
 
     todo = iter(prompts(n))
     done = 0
@@ -101,9 +101,10 @@ def shard_config(run_dir: Path, n: int, concurrency: int, shards: int = 1, overr
 async def pipeline(url: str, config, key: str | None = None) -> int:
     """eagle3.generate.shard.generate_shard, everything included: retry policy, deadlines, a flushed
     append per record (fsync every generation.fsync_every), accounting and the completion marker."""
-    from eagle3.generate.client import EndpointPool
     from eagle3.generate.shard import generate_shard
-    from eagle3.generate.stage import out_dir, prepared_shards
+    from eagle3.generate.stage import out_dir
+    from eagle3.run_facts import prepared_shards
+    from eagle3.serving.client import EndpointPool
 
     shards = prepared_shards(config)
     parallel = min(config.generation.shard_parallelism, len(shards))

@@ -13,6 +13,9 @@ Two questions, two axes:
   ``InputError``: a file, shard or row the stage reads is unusable. ``MissingInputError``: the one
   "an input is missing" error; it names the stage, the path and what to run first.
 
+An error that modules of two packages raise lives here too, below both (``TrainFailed``: the train
+stage and the cluster's training job).
+
 No imports beyond the standard library: the CLI and ``tasks/`` load this without torch.
 """
 
@@ -60,6 +63,10 @@ class MissingInputError(InputError):
 
     def __str__(self) -> str:
         return f"{self.stage}: {self.path} {self.problem}: {self.hint}"
+
+
+class TrainFailed(TransientError, RuntimeError):
+    """torchrun exited with an error or ran past its deadline (on one machine or on the cluster)."""
 
 
 def run_first(command: str, again: bool = False) -> str:

@@ -13,45 +13,13 @@ from __future__ import annotations
 
 import fcntl
 import platform
-from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from eagle3.durable import atomic_write_json, read_json
-from eagle3.errors import PermanentError
 from eagle3.layout import RunLayout
-
-
-class AccountingError(PermanentError, RuntimeError):
-    """A stage's counts do not add up: rows were lost."""
-
-
-@dataclass(frozen=True)
-class StageCounts:
-    """Rows into a stage and where each one went."""
-
-    in_: int
-    ok: int
-    failed: int = 0
-    filtered: int = 0
-    reasons: dict[str, int] = field(default_factory=dict)
-
-    def check(self, stage: str) -> None:
-        if self.in_ != self.ok + self.failed + self.filtered:
-            raise AccountingError(
-                f"stage {stage}: in={self.in_} but ok={self.ok} + failed={self.failed} + "
-                f"filtered={self.filtered} = {self.ok + self.failed + self.filtered}: rows were lost"
-            )
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "in": self.in_,
-            "ok": self.ok,
-            "failed": self.failed,
-            "filtered": self.filtered,
-            "reasons": dict(sorted(self.reasons.items())),
-        }
+from eagle3.results import StageCounts, build
 
 
 def versions(*packages: str) -> dict[str, str]:
@@ -67,8 +35,6 @@ def versions(*packages: str) -> dict[str, str]:
 def record_stage(run_dir: str | Path, stage: str, counts: StageCounts, **fields: Any):
     """Check the counts and write them, as the stage's typed result (``eagle3.results``), as
     ``stage``'s entry of the run manifest; returns that result (it also reads as the entry)."""
-    from eagle3.results import build
-
     counts.check(stage)
     result = build(stage, counts, fields).stamped()
     layout = RunLayout.of(run_dir)

@@ -2,7 +2,7 @@
 
 The managed vLLM server, the vLLM extraction worker and torchrun all run through ``Child``:
 - its own session and process group, so a terminal's Ctrl-C does not reach it half-way and one
-  ``killpg`` reaches its children; a guard process and a pidfile (serving/orphans.py) stop the
+  ``killpg`` reaches its children; a guard process and a pidfile (orphans.py) stop the
   group when this process dies without cleaning up, even by SIGKILL;
 - stdout and stderr share one pipe, drained by a thread: an undrained pipe blocks the child on its
   next line, so neither a slow logger nor a failing log file may stop the pump;
@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from eagle3 import orphans
 from eagle3.errors import TransientError
 
 # Reading the output after the group is gone: EOF comes once every writer of the pipe is gone.
@@ -153,8 +154,6 @@ class Child:
     def start(self) -> Child:
         """Reap a group a killed earlier run left behind (pidfile), spawn, guard, pump. OSError if
         the program cannot start."""
-        from eagle3.serving import orphans
-
         if self.proc is not None:
             raise RuntimeError(f"{self.name}: a Child starts once")
         if self.pidfile is not None:
@@ -203,8 +202,6 @@ class Child:
     def stop(self, grace_s: float | None = None) -> list[int]:
         """SIGTERM the group, ``grace_s`` (default: the Child's), SIGKILL the group and its descendants;
         drain the output. Returns the pids that survived SIGKILL (then the guard stays armed)."""
-        from eagle3.serving import orphans
-
         if self.proc is None:
             return []
         pgid, grace = self.proc.pid, self.grace_s if grace_s is None else grace_s

@@ -13,6 +13,9 @@ manifest holds that the class does not know (an older or newer version wrote the
 
 A result also reads as its manifest entry (``result["ok"]``, ``dict(result)``): the shape the
 manifest, the Prefect artifacts and code written against the manifest use.
+
+Its counts (``StageCounts``: rows in, and where each went) live here with the results that carry
+them, below the manifest that writes both.
 """
 
 from __future__ import annotations
@@ -23,10 +26,42 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
-from eagle3.manifest import StageCounts
+from eagle3 import stages
+from eagle3.errors import PermanentError
 
 COUNT_KEYS = ("in", "ok", "failed", "filtered", "reasons")
 R = TypeVar("R", bound="StageResult")
+
+
+class AccountingError(PermanentError, RuntimeError):
+    """A stage's counts do not add up: rows were lost."""
+
+
+@dataclass(frozen=True)
+class StageCounts:
+    """Rows into a stage and where each one went."""
+
+    in_: int
+    ok: int
+    failed: int = 0
+    filtered: int = 0
+    reasons: dict[str, int] = field(default_factory=dict)
+
+    def check(self, stage: str) -> None:
+        if self.in_ != self.ok + self.failed + self.filtered:
+            raise AccountingError(
+                f"stage {stage}: in={self.in_} but ok={self.ok} + failed={self.failed} + "
+                f"filtered={self.filtered} = {self.ok + self.failed + self.filtered}: rows were lost"
+            )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "in": self.in_,
+            "ok": self.ok,
+            "failed": self.failed,
+            "filtered": self.filtered,
+            "reasons": dict(sorted(self.reasons.items())),
+        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -198,8 +233,6 @@ class EvaluateStageResult(StageResult):
 
 def result_class(stage: str) -> type[StageResult]:
     """The registry's result class for ``stage``; the generic base for an entry no stage declares."""
-    from eagle3 import stages
-
     for declared in stages.STAGES:
         if declared.name == stage:
             return stages.resolve(declared.result)

@@ -11,8 +11,9 @@ from eagle3.config import PipelineConfig
 from eagle3.durable import DiskWriteError
 from eagle3.generate import stage
 from eagle3.generate.shard import is_complete
+from eagle3.run_facts import expected_target, prepared_shards, request_plan
 from eagle3.schemas import SchemaError
-from eagle3.serving.target import expected_target, outage_allowance_s, target_server
+from eagle3.serving.target import outage_allowance_s, target_server
 from tasks.generate import generate_shard_task, generate_summary_task
 from tasks.retry import unless_permanent
 
@@ -25,13 +26,13 @@ async def _bounded(limit: asyncio.Semaphore, make):
 @flow(name="eagle3-generate", description="Regenerate every prompt's answer with the target, durably and resumably.")
 async def generate_flow(config: PipelineConfig = PipelineConfig()) -> dict:
     gen = config.generation
-    shards = stage.prepared_shards(config)
+    shards = prepared_shards(config)
     parallel = min(gen.shard_parallelism, len(shards))
     per_shard = max(1, gen.concurrency // parallel)
     limit = asyncio.Semaphore(parallel)
     model, template = expected_target(config)
     out = stage.out_dir(config)
-    plan = stage.request_plan(config)
+    plan = request_plan(config)
     if shards and all(is_complete(s, out, gen, model, template, **plan) for s in shards):
         # A nightly run with no new or changed prompt: no server start, no request.
         get_run_logger().info(

@@ -14,9 +14,10 @@ from prefect.runtime import task_run
 from eagle3.config import PipelineConfig
 from eagle3.errors import TransientError
 from eagle3.generate import stage
-from eagle3.generate.client import EndpointPool, deadline_s
 from eagle3.generate.shard import ShardResult, generate_shard
 from eagle3.progress import report
+from eagle3.run_facts import request_plan
+from eagle3.serving.client import EndpointPool, deadline_s
 from eagle3.serving.target import Target, outage_wait_s, replica_events
 
 
@@ -72,7 +73,7 @@ async def generate_shard_task(config: PipelineConfig, shard: str, target: Target
             logger=logger,
             progress=progress,
             concurrency=concurrency,
-            **stage.request_plan(config),
+            **request_plan(config),
         )
     finally:
         await pool.close()

@@ -9,10 +9,10 @@ from prefect.artifacts import acreate_table_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from eagle3.config import PipelineConfig
-from eagle3.generate.client import EndpointPool, deadline_s
 from eagle3.manifest import read_manifest
 from eagle3.prepare.self_prompts import Plan, collect, make_plan
 from eagle3.prepare.stage import PrepareResult, run_prepare
+from eagle3.serving.client import EndpointPool, deadline_s
 from eagle3.serving.target import Target, outage_wait_s, replica_events
 
 

@@ -16,7 +16,8 @@ from tasks.retry import unless_permanent
 # Disk markers (keyed on input hashes, tokenizer and settings) decide what is done.
 @task(name="tokenize-shard", cache_policy=NO_CACHE, retries=1, retry_condition_fn=unless_permanent)
 def tokenize_shard_task(config: PipelineConfig, shard: str):
-    from eagle3.tokenize.stage import load_tokenizer, tokenize_shard, tokenizer_path
+    from eagle3.tokenize.stage import tokenize_shard
+    from eagle3.tokenizer import load_tokenizer, tokenizer_path
 
     enter_workdir()
     path = tokenizer_path(config)
@@ -25,7 +26,8 @@ def tokenize_shard_task(config: PipelineConfig, shard: str):
 
 @task(name="tokenize-summary", cache_policy=NO_CACHE)
 def tokenize_summary_task(config: PipelineConfig, results: list) -> dict:
-    from eagle3.tokenize.stage import record, tokenizer_path
+    from eagle3.tokenize.stage import record
+    from eagle3.tokenizer import tokenizer_path
 
     entry = record(config, results, tokenizer_path(config))
     rows = [
@@ -50,6 +52,6 @@ def tokenize_summary_task(config: PipelineConfig, results: list) -> dict:
 
 
 def shard_names(config: PipelineConfig) -> list[str]:
-    from eagle3.generate.stage import prepared_shards
+    from eagle3.run_facts import prepared_shards
 
     return [Path(s).name for s in prepared_shards(config)]

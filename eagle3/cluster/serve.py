@@ -2,7 +2,7 @@
 
 Each replica is a Ray actor (``_Replica``) that holds one ManagedServer: the same launch, health
 checks, supervised restarts (``server.max_restarts`` per replica) and stop as managed mode on one
-machine (eagle3/serving/managed.py, built by ``eagle3.serving.target.managed_server``), on
+machine (eagle3/serving/managed.py, built by ``eagle3.serving.managed.managed_server``), on
 ``cluster.server_cpus`` / ``cluster.server_gpus`` (Ray sets CUDA_VISIBLE_DEVICES for the actor, and
 the server inherits it), spread over the nodes where they fit. The flow's process routes requests
 over the replicas' URLs as external mode routes over ``server.urls`` (EndpointPool): a replica that
@@ -23,7 +23,7 @@ Decisions (docs/stages.md, "Replicas on a cluster"):
   shards) only once every replica is.
 - Nothing left running: ``stop()`` asks every actor to stop its server (SIGTERM, grace, SIGKILL to
   the group), then kills the actor. When the flow's process dies, Ray kills the actors it owns, and
-  each server dies with its actor through managed mode's guard process (eagle3/serving/orphans.py);
+  each server dies with its actor through managed mode's guard process (eagle3/orphans.py);
   Ray's own kill of a worker's direct children is off for the actors (``_runtime_env``: it would take
   the guard and leave vLLM's engine core running).
 
@@ -40,7 +40,7 @@ import threading
 import time
 from pathlib import Path
 
-from eagle3.serving.managed import ServerError
+from eagle3.serving.managed import ServerError, managed_server
 
 POLL_S = 1.0
 # A state() call answers from memory; 10 s covers a busy node without hiding a hung one for long.
@@ -88,7 +88,6 @@ class _Replica:
         import ray
 
         from eagle3.models import resolve_model
-        from eagle3.serving.target import managed_server
 
         self.node = node_address(ray)
         model_path = resolve_model(self.config.server.model)  # this node's copy (a hub cache is per node)

@@ -29,6 +29,8 @@ from pathlib import Path
 
 from eagle3.cluster import check_resources, connect, enter_workdir, workdir_env
 from eagle3.config import PipelineConfig
+from eagle3.errors import TrainFailed
+from eagle3.torchrun import torchrun_env as local_env
 
 # How long one poll of a node may take before the node counts as lost (a live actor answers in
 # milliseconds; a raylet that vanished without Ray noticing yet would otherwise hang the driver).
@@ -145,8 +147,6 @@ def _placement(ray, config: PipelineConfig):
     """The placement group, ready, or ClusterTooSmall / TrainFailed naming what was asked."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from eagle3.train.stage import TrainFailed
-
     asked, nodes = bundle(config), config.train.nnodes
     check_resources(ray, "train", asked, count=nodes)
     group = placement_group([dict(asked) for _ in range(nodes)], strategy="STRICT_SPREAD")
@@ -168,8 +168,6 @@ def run_on_cluster(config: PipelineConfig, request: Path, log, on_line, threads:
     from ray.exceptions import GetTimeoutError, RayActorError
     from ray.util.placement_group import remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    from eagle3.train.stage import TrainFailed
 
     ray = connect(config.cluster)
     started = time.monotonic()
@@ -266,12 +264,10 @@ def run_on_cluster(config: PipelineConfig, request: Path, log, on_line, threads:
 
 
 def torchrun_env(threads: int) -> dict[str, str]:
-    """What run_train sets for torchrun on one machine (eagle3.train.stage.torchrun_env), with the
+    """What run_train sets for torchrun on one machine (eagle3.torchrun.torchrun_env), with the
     thread count this side chose: a node's Ray worker has its own OMP_NUM_THREADS (its CPU count),
     which would give each of nproc_per_node processes the whole bundle's cores."""
-    from eagle3.train.stage import torchrun_env as local
-
-    return local(threads, base={})
+    return local_env(threads, base={})
 
 
 def _stop_all(ray, actors: list) -> None:

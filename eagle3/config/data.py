@@ -9,7 +9,6 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from eagle3.config.base import _Strict
-from eagle3.prepare.presets import PRESETS  # pure Python: the names, hub ids and column mappings
 
 DEFAULT_SOURCE = "mlabonne/open-perfectblend"
 DEFAULT_SPLIT = "train"
@@ -17,8 +16,11 @@ DEFAULT_SPLIT = "train"
 # hashes as before (``DataConfig.config_hash``), so its prepare marker stays current and nothing is rebuilt.
 LATER_KEYS = {"subset": None, "preset": None, "preset_source": None, "streaming": False, "mix": []}
 
+# The dataset presets by name (eagle3/prepare/presets.py defines each one; test_presets.py keeps the two
+# lists equal). The config needs only the names and sits below the stages, so it does not import them.
+PRESET_NAMES = ("sharegpt", "ultrachat", "magpie", "openperfectblend", "openthoughts", "opc")
 # A Literal, so the Prefect form offers the names as a choice and a wrong one fails at load listing them all.
-PresetName = Literal[tuple(PRESETS)]
+PresetName = Literal[PRESET_NAMES]
 
 
 class SelfPromptsConfig(_Strict):

@@ -22,19 +22,17 @@ from pathlib import Path
 
 from eagle3.config import PipelineConfig, section_hash
 from eagle3.durable import atomic_write_json, read_json
-from eagle3.errors import MissingInputError, TransientError, run_first
+from eagle3.errors import MissingInputError, run_first
 from eagle3.evaluate import matrix, servers
+from eagle3.evaluate.errors import EvaluationFailed
 from eagle3.evaluate.measure import DECODE_RATE_DEFINITION
 from eagle3.evaluate.metrics import fetch_metrics, metrics_delta, parse_spec_metrics  # noqa: F401  (re-exported)
 from eagle3.evaluate.prompts import MissingInput, prompt_sets, select_prompts  # noqa: F401  (re-exported)
 from eagle3.layout import RunLayout
-from eagle3.manifest import StageCounts, record_stage, versions
+from eagle3.manifest import record_stage, versions
+from eagle3.results import StageCounts
 
 STAGE = "evaluate"
-
-
-class EvaluationFailed(TransientError, RuntimeError):
-    """Requests failed outright, or vLLM never drafted (speculative decoding not engaged)."""
 
 
 def temperatures(config: PipelineConfig) -> list[float]:

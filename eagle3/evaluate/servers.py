@@ -29,6 +29,8 @@ from pathlib import Path
 
 import httpx
 
+from eagle3.evaluate.errors import EvaluationFailed
+
 BASE_METHODS = ("none", "ngram", "untrained", "trained")
 COMPILED = "_compiled"
 EAGER_FLAG = "--enforce-eager"
@@ -123,8 +125,6 @@ def warm_up(managed, prompt: dict, timeout_s: float) -> None:
         timeout_s=timeout_s,
     )
     if outcomes[0].error:
-        from eagle3.evaluate.live import EvaluationFailed
-
         raise EvaluationFailed(
             f"warm-up request to {managed.base_url} failed ({outcomes[0].error}); see {managed.log_path}"
         )

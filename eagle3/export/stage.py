@@ -38,8 +38,9 @@ from eagle3.export.layouts import (
     validate_export,
 )
 from eagle3.layout import RunLayout
-from eagle3.manifest import StageCounts, record_stage, versions
+from eagle3.manifest import record_stage, versions
 from eagle3.markers import read_marker, remove_marker, write_marker
+from eagle3.results import StageCounts
 
 STAGE = "export"
 _STEP = re.compile(r"step-(\d+)")

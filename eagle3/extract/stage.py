@@ -40,7 +40,8 @@ from eagle3.extract.errors import DiskSpaceError, StatesError
 from eagle3.extract.store import StatesWriter, states_bytes, token_bytes
 from eagle3.layout import RunLayout
 from eagle3.markers import Marker, read_marker, remove_marker, write_marker
-from eagle3.tokenize.stage import read_done as read_tokenized_done
+from eagle3.run_facts import prepared_shards, read_tokenized_done
+from eagle3.tokenizer import tokenizer_path
 
 STAGE = "extract"
 DISK_MARGIN = 1.02  # headers, index files and filesystem slack on top of the tensors themselves
@@ -142,7 +143,6 @@ def plan(config: PipelineConfig, shards: list[str]) -> Plan:
         check_tokenizer,
         tokenizer_hash,
     )
-    from eagle3.tokenize.stage import tokenizer_path
 
     path, tok_path = model_path(config), tokenizer_path(config)
     tok_hash = tokenizer_hash(tok_path)
@@ -409,7 +409,8 @@ def write_online(config: PipelineConfig, the_plan: Plan, shards: list[str]) -> d
 
 
 def record(config: PipelineConfig, results: list[ExtractResult], the_plan: Plan) -> dict:
-    from eagle3.manifest import StageCounts, record_stage, versions
+    from eagle3.manifest import record_stage, versions
+    from eagle3.results import StageCounts
 
     counts = StageCounts(sum(r.in_ for r in results), sum(r.ok for r in results))
     return record_stage(
@@ -442,8 +443,6 @@ def online_results(config: PipelineConfig, shards: list[str], the_plan: Plan) ->
 
 def precheck(config: PipelineConfig) -> None:
     """Before a flow run is recorded: the tokenized inputs exist and match, and the disk holds the states."""
-    from eagle3.generate.stage import prepared_shards
-
     check_disk(config, plan(config, [Path(s).name for s in prepared_shards(config)]))
 
 

@@ -29,8 +29,8 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from eagle3.generate.records import RecordFileError, iter_records, read_records
 from eagle3.generate.samples import SEP
+from eagle3.records import RecordFileError, iter_records, read_records
 
 TURN = "t"
 

@@ -44,13 +44,13 @@ import pyarrow.parquet as pq
 from eagle3.config import GenerationConfig
 from eagle3.durable import atomic_write_json, read_json, sha256_file, writing
 from eagle3.errors import TransientError
-from eagle3.generate.client import EndpointPool, Stats, deadline_s, request_with_retries
 from eagle3.generate.conversation import finished_turns, run_conversation, shortened_on_disk, turns_path
-from eagle3.generate.records import JsonlAppender, read_ids
 from eagle3.generate.samples import CYCLES, Sample, cycle_key_parts, expand, variant
 from eagle3.layout import generation_files
 from eagle3.markers import Marker, read_marker, remove_marker, write_marker
+from eagle3.records import JsonlAppender, read_ids
 from eagle3.schemas import PROMPT_COLUMNS, check_schema
+from eagle3.serving.client import EndpointPool, Stats, deadline_s, request_with_retries
 
 
 class ShardLockedError(TransientError, RuntimeError):
@@ -240,7 +240,7 @@ class _Run:
         self.filtered_ids.add(sample.id)
 
     async def write(self, stream: str, record: dict) -> None:
-        """Append (flushed at once); the periodic fsync runs behind, in a worker thread (records.py)."""
+        """Append (flushed at once); the periodic fsync runs behind, in a worker thread (eagle3/records.py)."""
         writer = self.writers[stream]
         if writer.append(record, sync=False):
             writer.sync_behind()

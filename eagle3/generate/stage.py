@@ -12,12 +12,13 @@ from collections import Counter
 from pathlib import Path
 
 from eagle3.config import GenerationConfig, PipelineConfig, section_hash
-from eagle3.errors import MissingInputError, TransientError
-from eagle3.generate.client import deadline_s
+from eagle3.errors import TransientError
 from eagle3.generate.shard import STAGE, paths
 from eagle3.layout import RunLayout
-from eagle3.manifest import StageCounts, record_stage, versions
+from eagle3.manifest import record_stage, versions
 from eagle3.markers import read_marker
+from eagle3.results import StageCounts
+from eagle3.serving.client import deadline_s
 
 
 class GenerationFailed(TransientError, RuntimeError):
@@ -26,18 +27,6 @@ class GenerationFailed(TransientError, RuntimeError):
 
 def out_dir(config: PipelineConfig) -> Path:
     return RunLayout.of(config).generations
-
-
-def prepared_shards(config: PipelineConfig) -> dict[Path, int]:
-    """The prompt shards named by prepare's completion marker, with their row counts."""
-    from eagle3.prepare.stage import STAGE as PREPARE
-
-    layout = RunLayout.of(config)
-    marker = read_marker(layout.prompts_marker, PREPARE)
-    if marker is None:
-        hint = "run the prepare stage first (eagle3 prepare, or eagle3 run)"
-        raise MissingInputError(STAGE, layout.prompts_marker, hint)
-    return {layout.prompt_shard(s["name"]): s["rows"] for s in marker["shards"]}
 
 
 def shard_timeout_s(num_prompts: int, concurrency: int, gen: GenerationConfig) -> float:
@@ -89,8 +78,8 @@ def _readable(variants: Counter) -> dict[str, int]:
 def _unfinished(config: PipelineConfig, shard: Path) -> dict:
     import pyarrow.parquet as pq
 
-    from eagle3.generate.records import read_ids
     from eagle3.generate.samples import expected_ids
+    from eagle3.records import read_ids
 
     p = paths(out_dir(config), shard.name)
     prompt_ids = pq.read_table(shard, columns=["id"]).column("id").to_pylist()
@@ -140,25 +129,6 @@ def record(config: PipelineConfig, summary: dict, model: str, server: dict | Non
     if error:
         raise GenerationFailed(error)
     return entry
-
-
-def expected_target(config: PipelineConfig) -> tuple[str, str]:
-    """(model name requests use, template hash) as target_server will report them, without a server."""
-    from eagle3.models import resolve_model, served_name, template_hash
-
-    server = config.server
-    if server.mode == "external":
-        return server.served_model_name or server.model, ""
-    path = resolve_model(server.model)
-    return served_name(server.model, path, server.served_model_name), template_hash(path)
-
-
-def request_plan(config: PipelineConfig) -> dict:
-    """The keyword arguments of generate_shard / is_complete / generation_key that come from outside
-    [generation]: the regenerate mode (data.turns) and the request fields the reasoning mode adds."""
-    from eagle3.reasoning import request_extras_for
-
-    return {"regenerate": config.data.turns == "regenerate", "extras": request_extras_for(config) or None}
 
 
 def summary_line(entry: dict, run_dir: str | Path) -> str:

@@ -26,7 +26,7 @@ Design choices:
   failed after all attempts counts its n samples as failed (a rerun asks it again). Every
   filtered or failed sample is a line of ``rejected.jsonl`` with its kind and reason.
 - The retry, backoff, deadline and replica policy is the generation client's
-  (eagle3/generate/client.py), with this source's max_tokens for the derived deadline.
+  (eagle3/serving/client.py), with this source's max_tokens for the derived deadline.
 """
 
 from __future__ import annotations
@@ -45,13 +45,15 @@ from pathlib import Path
 from eagle3.config import GenerationConfig, PipelineConfig, SelfPromptsConfig, section_hash
 from eagle3.durable import atomic_write_bytes, sha256_file
 from eagle3.errors import UserError
-from eagle3.generate.client import EndpointPool, Stats, request_with_retries
-from eagle3.generate.records import JsonlAppender, iter_records
 from eagle3.layout import STAGE_MARKER, RunLayout
-from eagle3.manifest import StageCounts, record_stage
+from eagle3.manifest import record_stage
 from eagle3.markers import Marker, read_marker, write_marker
 from eagle3.prepare.dedup import NearDuplicates
 from eagle3.prepare.turn_prefix import TurnPrefix, derive_all
+from eagle3.records import JsonlAppender, iter_records
+from eagle3.results import StageCounts
+from eagle3.serving.client import EndpointPool, Stats, request_with_retries
+from eagle3.tokenizer import load_tokenizer
 
 SELF_SOURCE = "self:prompts"
 STAGE = "self_prompts"
@@ -90,7 +92,6 @@ class Plan:
 def make_plan(config: PipelineConfig) -> Plan:
     """Derive each system prompt's prefix from the target's own chat template (loads its tokenizer)."""
     from eagle3.models import resolve_model
-    from eagle3.tokenize.stage import load_tokenizer
 
     sp = config.data.self_prompts
     path = resolve_model(config.server.model)

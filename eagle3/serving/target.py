@@ -19,10 +19,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eagle3.cluster.serve import Replicas
 from eagle3.config import PipelineConfig
 from eagle3.errors import TransientError
-from eagle3.generate.stage import expected_target  # noqa: F401  (flows import it from here)
 from eagle3.layout import RunLayout
+from eagle3.serving.managed import managed_server
 
 MANAGED_KEY_ENV = "EAGLE3_MANAGED_SERVER_KEY"
 
@@ -73,7 +74,7 @@ class Serving:
 
     def benches(self) -> dict[str, int]:
         """{replica URL: times benched} during this flow, from the events the shard tasks wrote."""
-        from eagle3.generate.records import read_records
+        from eagle3.records import read_records
 
         if self.events is None or not self.events.exists():
             return {}
@@ -123,40 +124,6 @@ def outage_allowance_s(config: PipelineConfig) -> float:
 LOST_POLL_S = 1.0
 
 
-def managed_server(
-    config: PipelineConfig,
-    model_path: str,
-    name: str,
-    *,
-    host: str,
-    log_path: Path,
-    logger,
-    env: dict[str, str] | None = None,
-    api_key: str | None = None,
-):
-    """The ManagedServer ``config.server`` describes, serving ``model_path`` as ``name`` on ``host``: the
-    one server of managed mode, and each replica's on the cluster (eagle3/cluster/serve.py).
-    ``env``: the environment to add to server.env's (a replica's CPU binding); ``api_key``: a key
-    shared by the replicas (default: the server generates its own)."""
-    from eagle3.models import vllm_args, vllm_launcher
-    from eagle3.serving.managed import ManagedServer
-
-    server = config.server
-    return ManagedServer(
-        command=vllm_launcher(server),
-        model=model_path,
-        served_model_name=name,
-        host=host,
-        extra_args=vllm_args(server, model_path),
-        env={**server.env, **(env or {})},
-        log_path=log_path,
-        startup_timeout_s=server.startup_timeout_s,
-        stop_grace_s=server.stop_grace_s,
-        logger=logger,
-        api_key=api_key,
-    )
-
-
 @contextlib.asynccontextmanager
 async def _managed(config: PipelineConfig, logger, folder: str) -> AsyncIterator[Serving]:
     from eagle3.models import resolve_model, served_name, template_hash
@@ -170,8 +137,6 @@ async def _managed(config: PipelineConfig, logger, folder: str) -> AsyncIterator
     if server.replicas > 1:
         # Ray actors on the cluster, each running managed_server's server on its node and
         # supervising it (eagle3/cluster/serve.py); requests spread over them as in external mode.
-        from eagle3.cluster.serve import Replicas
-
         managed = Replicas(config, name, log_path, logger)
     else:
         managed = managed_server(config, model_path, name, host=server.host, log_path=log_path, logger=logger)

@@ -36,11 +36,12 @@ from eagle3.durable import (
     sha256_file,
     writing,
 )
-from eagle3.errors import InputError, MissingInputError, run_first
-from eagle3.generate.records import read_records
+from eagle3.errors import MissingInputError, run_first
 from eagle3.layout import RunLayout
-from eagle3.markers import Marker, read_marker, remove_marker, write_marker
+from eagle3.markers import read_marker, remove_marker, write_marker
 from eagle3.reasoning import key_parts, template_kwargs
+from eagle3.records import read_records
+from eagle3.run_facts import expected_target, read_tokenized_done, request_plan
 from eagle3.schemas import PROMPT_COLUMNS, check_schema, tokenizer_hash
 from eagle3.tokenize.build import (
     RowError,
@@ -52,6 +53,7 @@ from eagle3.tokenize.build import (
     has_ids,
 )
 from eagle3.tokenize.rows import SourceTally, messages_of, server_sample
+from eagle3.tokenizer import target_vocab_size
 
 SCHEMA = pa.schema(
     [
@@ -92,18 +94,6 @@ class TokenizeResult:
     per_source: dict = field(default_factory=dict)  # mixed runs: rows and tokens per source
 
 
-def tokenizer_path(config: PipelineConfig) -> str:
-    from eagle3.models import resolve_model
-
-    return resolve_model(config.tokenize.tokenizer or config.server.model)
-
-
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
-
-
 def tokenizer_fingerprint(path: str) -> str:
     folder = Path(path)
     digest = hashlib.sha256(path.encode() if not folder.is_dir() else b"")
@@ -111,35 +101,6 @@ def tokenizer_fingerprint(path: str) -> str:
         if (folder / name).exists():
             digest.update(name.encode() + sha256_file(folder / name).encode())
     return digest.hexdigest()[:16]
-
-
-def vocab_size(tokenizer, *folders: str) -> int:
-    """The target's vocabulary: the largest of the tokenizer's length and the ``vocab_size``
-    (embedding rows) of each folder's config.json. Configs often pad the embedding past the
-    tokenizer (Qwen3: 151,936 rows for 151,669 tokens); ids, counts and ``t2d`` follow the rows."""
-    declared = [declared_vocab_size(Path(folder)) for folder in folders]
-    return max(len(tokenizer), *declared)
-
-
-def declared_vocab_size(folder: Path) -> int:
-    """``vocab_size`` of a folder's config.json (its ``text_config`` for multimodal models); 0 without one."""
-    path = folder / "config.json"
-    if not path.exists():
-        return 0
-    config = read_json(path)
-    value = (config.get("text_config") or config).get("vocab_size", config.get("vocab_size"))
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-        raise InputError(f"{path}: vocab_size={value!r} is not a non-negative integer")
-    return int(value or 0)
-
-
-def target_vocab_size(config: PipelineConfig, tokenizer, tok_path: str) -> int:
-    """The vocabulary size every stage sizes token ids by: the target model's config counts even
-    when ``tokenize.tokenizer`` names a separate tokenizer folder."""
-    from eagle3.models import resolve_model
-
-    folders = [tok_path] if not config.tokenize.tokenizer else [tok_path, resolve_model(config.server.model)]
-    return vocab_size(tokenizer, *folders)
 
 
 def _paths(run_dir: Path, shard: str) -> dict[str, Path]:
@@ -154,15 +115,9 @@ def _paths(run_dir: Path, shard: str) -> dict[str, Path]:
     }
 
 
-def read_done(path: Path) -> Marker | None:
-    """A tokenized shard's completion marker (the stages after tokenize read it through here)."""
-    return read_marker(path, STAGE)
-
-
 def _check_generation_settings(config: PipelineConfig, p: dict, shard: str) -> None:
     """Records made by another model, sampling or chat template than the config's are refused by name."""
     from eagle3.generate.shard import STAGE as GENERATE, generation_key
-    from eagle3.generate.stage import expected_target, request_plan
 
     made = read_marker(p["gen_done"], GENERATE).key
     if made is None:
@@ -370,7 +325,7 @@ def tokenize_shard(config: PipelineConfig, shard: str, tokenizer, tok_path: str,
     _check_generation_settings(config, p, shard)
     kwargs = template_kwargs(config.generation.reasoning, tokenizer.chat_template or "", tok_path)  # or a config error
     key = _key(p, config, tokenizer_fingerprint(tok_path))
-    done = read_done(p["done"])
+    done = read_tokenized_done(p["done"])
     if done is not None and done.key == key and p["parquet"].exists():
         if sha256_file(p["parquet"]) == done["parquet_sha256"]:
             return TokenizeResult(**{**done["result"], "skipped": True})
@@ -449,7 +404,8 @@ def tokenize_shard(config: PipelineConfig, shard: str, tokenizer, tok_path: str,
 
 def record(config: PipelineConfig, results: list[TokenizeResult], tok_path: str) -> dict:
     """The stage's manifest entry: counts, reasons, token totals and the template check."""
-    from eagle3.manifest import StageCounts, record_stage, versions
+    from eagle3.manifest import record_stage, versions
+    from eagle3.results import StageCounts
 
     reasons: dict[str, int] = {}
     checks = {"checked": 0, "prompt_mismatch": 0, "full_mismatch": 0}

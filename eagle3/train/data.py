@@ -25,11 +25,9 @@ import pyarrow.parquet as pq
 import torch
 
 from eagle3.extract.hf import length_batches
-from eagle3.extract.stage import STAGE as EXTRACT
 from eagle3.layout import RunLayout
-from eagle3.markers import read_marker
+from eagle3.run_facts import read_states_done, read_tokenized_done
 from eagle3.schemas import TOKENIZED_IDS, TOKENIZED_INPUT_IDS, TOKENIZED_LOSS_MASK, check_schema
-from eagle3.tokenize.stage import read_done
 from eagle3.train.split import is_heldout
 from eagle3.train.stage import TrainDataError
 
@@ -54,7 +52,7 @@ class Dataset:
         for s, shard in enumerate(shards):
             files = self.layout.tokenized_files(shard)
             path = files["parquet"]
-            if read_done(files["done"]) is None:
+            if read_tokenized_done(files["done"]) is None:
                 raise TrainDataError(f"{path}: not tokenized (no {files['done'].name}); run `eagle3 tokenize`")
             check_schema(path, (TOKENIZED_IDS, TOKENIZED_INPUT_IDS, TOKENIZED_LOSS_MASK), "tokenized shard")
             table = pq.read_table(path, columns=["id", "input_ids", "loss_mask"])
@@ -77,7 +75,7 @@ class Dataset:
     def _check_index(self, shard: str, ids: list[str]) -> None:
         files = self.layout.states_files(shard)
         index = files["index"]
-        if read_marker(files["done"], EXTRACT) is None:
+        if read_states_done(files["done"]) is None:
             raise TrainDataError(f'{files["states"]}: no stored states (extract.mode="offline"); run `eagle3 extract`')
         listed = json.loads(index.read_text())["ids"]
         if listed != ids:

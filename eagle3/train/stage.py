@@ -19,11 +19,15 @@ import sys
 import time
 from pathlib import Path
 
+from eagle3.cluster.train import run_on_cluster
 from eagle3.config import PipelineConfig, section_hash
 from eagle3.durable import atomic_write_json, read_json, remove_inside
-from eagle3.errors import InputError, MissingInputError, TransientError, run_first
+from eagle3.errors import InputError, MissingInputError, TrainFailed, run_first
 from eagle3.layout import RunLayout
 from eagle3.markers import remove_marker, write_marker
+from eagle3.run_facts import read_tokenized_done
+from eagle3.tokenizer import tokenizer_path
+from eagle3.torchrun import torchrun_env
 
 STAGE = "train"
 
@@ -39,10 +43,6 @@ TrainInputError = MissingInputError
 
 class TrainDataError(InputError, ValueError):
     """Training inputs that do not line up (names the file and what differs)."""
-
-
-class TrainFailed(TransientError, RuntimeError):
-    """torchrun exited with an error or ran past its deadline."""
 
 
 def layer_ids_for(config: PipelineConfig) -> list[int]:
@@ -74,14 +74,13 @@ def check_tokenized(config: PipelineConfig, shards: list[str]) -> None:
         check_tokenizer,
         tokenizer_hash,
     )
-    from eagle3.tokenize.stage import read_done, tokenizer_path
 
     tok_path = tokenizer_path(config)
     tok_hash = tokenizer_hash(tok_path)
     layout = RunLayout.of(config)
     for shard in shards:
         files = layout.tokenized_files(shard)
-        path, done = files["parquet"], read_done(files["done"])
+        path, done = files["parquet"], read_tokenized_done(files["done"])
         if done is None:
             raise TrainDataError(f"{path}: not tokenized (no {files['done'].name}); run `eagle3 tokenize`")
         check_schema(path, (TOKENIZED_IDS, TOKENIZED_INPUT_IDS, TOKENIZED_LOSS_MASK), "tokenized shard")
@@ -163,8 +162,6 @@ def _run_on_cluster(config: PipelineConfig, request: Path, log, on_line) -> None
     """torchrun on train.nnodes Ray nodes (eagle3/cluster/train.py). Each process gets
     cluster.train_cpus_per_process threads (what Ray reserved for it) unless OMP_NUM_THREADS is set
     here; the request path is absolute, since the nodes run in the flow's working directory."""
-    from eagle3.cluster.train import run_on_cluster
-
     threads = int(os.environ.get("OMP_NUM_THREADS") or max(1, int(config.cluster.train_cpus_per_process)))
     watch, disk_errors = _watcher(on_line)
     try:
@@ -193,18 +190,6 @@ def _raise_disk_error(disk_errors: list[str]) -> None:
         from eagle3.durable import DiskWriteError
 
         raise DiskWriteError(errno.EIO, disk_errors[0])
-
-
-def torchrun_env(threads: int, base: dict | None = None) -> dict[str, str]:
-    """torchrun's environment: ``base`` (default: this process's) with unbuffered output and
-    ``threads`` OpenMP threads per process unless ``base`` sets them."""
-    base = dict(os.environ if base is None else base)
-    env = {**base, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": base.get("OMP_NUM_THREADS", str(threads))}
-    # MKL's reproducibility conditions: a fixed thread count, not one it may lower at run time, so
-    # that a resumed run repeats the uninterrupted run's CPU arithmetic (an environment setting wins).
-    for name in ("MKL_DYNAMIC", "OMP_DYNAMIC"):
-        env.setdefault(name, "FALSE")
-    return env
 
 
 def _run_streamed(
@@ -241,7 +226,8 @@ def _run_streamed(
 
 
 def record(config: PipelineConfig, result: dict, layer_ids: list[int], seconds: float) -> dict:
-    from eagle3.manifest import StageCounts, record_stage, versions
+    from eagle3.manifest import record_stage, versions
+    from eagle3.results import StageCounts
 
     steps = int(result["steps"])
     layout = RunLayout.of(config)

@@ -14,9 +14,10 @@ from eagle3.config import PipelineConfig, section_hash
 from eagle3.durable import sha256_file
 from eagle3.errors import MissingInputError, run_first
 from eagle3.layout import RunLayout
-from eagle3.manifest import StageCounts, record_stage
+from eagle3.manifest import record_stage
 from eagle3.markers import remove_marker, write_marker
-from eagle3.tokenize.stage import load_tokenizer, target_vocab_size, tokenizer_path
+from eagle3.results import StageCounts
+from eagle3.tokenizer import load_tokenizer, target_vocab_size, tokenizer_path
 from eagle3.vocab.mapping import build, must_keep, save, sum_counts
 
 STAGE = "vocab"

@@ -83,7 +83,7 @@ def served_after(log: Path, marker: str, nth: int) -> int:
 def test_two_replicas_on_the_cluster_serve_restart_and_leave_nothing(demo_config, tmp_path):
     import ray
 
-    from eagle3.serving.orphans import group_members
+    from eagle3.orphans import group_members
 
     before = running()
     with LocalCluster(tmp_path / "ray", nodes=2, cpus=1) as cluster:
@@ -159,12 +159,13 @@ async def two_phases(config, watcher: threading.Thread, killed: dict) -> dict:
     """Shard 0 with replica 0 killed mid-way, wait for its restart, shard 1 on both; the stage's record.
     Returns how long the start and the restart took."""
     from eagle3.generate import stage
-    from eagle3.generate.client import EndpointPool, deadline_s
     from eagle3.generate.shard import generate_shard
+    from eagle3.run_facts import prepared_shards, request_plan
+    from eagle3.serving.client import EndpointPool, deadline_s
     from eagle3.serving.target import outage_wait_s, replica_events, target_server
 
     log = logging.getLogger("test.cluster_serve")
-    gen, shards, timings = config.generation, list(stage.prepared_shards(config)), {}
+    gen, shards, timings = config.generation, list(prepared_shards(config)), {}
 
     async def shard(path: Path):
         target = serving.target
@@ -187,7 +188,7 @@ async def two_phases(config, watcher: threading.Thread, killed: dict) -> dict:
                 target.template_hash,
                 logger=log,
                 concurrency=gen.concurrency,
-                **stage.request_plan(config),
+                **request_plan(config),
             )
         finally:
             await pool.close()

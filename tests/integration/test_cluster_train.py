@@ -94,7 +94,8 @@ def test_two_cluster_nodes_train_the_same_curve_as_two_local_processes(tmp_path,
 
 
 def test_a_killed_actor_fails_cleanly_and_the_rerun_resumes_to_the_same_curve(tmp_path, cluster, reference):
-    from eagle3.train.stage import TrainFailed, run_train
+    from eagle3.errors import TrainFailed
+    from eagle3.train.stage import run_train
 
     config, names = on_cluster(tmp_path, cluster)
     run = Path(config.run_dir)
@@ -136,7 +137,8 @@ def test_a_killed_actor_fails_cleanly_and_the_rerun_resumes_to_the_same_curve(tm
 
 
 def test_a_job_past_its_deadline_stops_every_node(tmp_path, cluster):
-    from eagle3.train.stage import TrainFailed, run_train
+    from eagle3.errors import TrainFailed
+    from eagle3.train.stage import run_train
 
     config, names = on_cluster(tmp_path, cluster)
     # A job that cannot end in 6 s however fast the machine (the tiny run alone can: seen in CI).

@@ -4,7 +4,7 @@ The CLI runs in its own session, as a terminal or scheduler starts it; each kill
 its whole process group, so no cleanup code of the CLI runs. What must hold:
 - no process of the killed run survives it: the managed vLLM server (API server, EngineCore,
   Worker, resource tracker) and torchrun run in their own sessions and are stopped by their
-  guards (eagle3/serving/orphans.py) within seconds;
+  guards (eagle3/orphans.py) within seconds;
 - the rerun after the last kill finishes with exit 0;
 - prepare's output is byte-identical to an uninterrupted prepare;
 - generation (sampled, so not comparable byte for byte) holds exactly one record

@@ -341,8 +341,8 @@ def test_a_full_disk_during_generation_fails_the_flow_naming_the_file(
 ):
     import errno
 
+    from eagle3 import records as records_module
     from eagle3.durable import DiskWriteError
-    from eagle3.generate import records as records_module
 
     config = fake_managed(demo_config, tmp_path, 40, "generation.shard_retries=0")
     real, written = os.write, {"n": 0}

@@ -123,8 +123,8 @@ def test_the_target_writes_prompts_through_completions(server, tmp_path):
     from transformers import AutoTokenizer
 
     from eagle3.config import DEMO_RECIPE, load_config
-    from eagle3.generate.client import EndpointPool
     from eagle3.prepare.self_prompts import collect, make_plan
+    from eagle3.serving.client import EndpointPool
 
     config = load_config(
         DEMO_RECIPE,
@@ -175,11 +175,11 @@ def test_regenerated_conversations_are_supervised_on_the_servers_ids(server, tmp
     from transformers import AutoTokenizer
 
     from eagle3.config import DEMO_RECIPE, load_config
-    from eagle3.generate.client import EndpointPool
-    from eagle3.generate.records import read_records
     from eagle3.generate.shard import generate_shard, paths
     from eagle3.models import template_hash
     from eagle3.prepare.stage import run_prepare
+    from eagle3.records import read_records
+    from eagle3.serving.client import EndpointPool
     from eagle3.tokenize.build import from_regenerated
 
     src = tmp_path / "convs.jsonl"

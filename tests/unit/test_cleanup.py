@@ -290,7 +290,7 @@ def test_a_symlink_at_the_hidden_states_temporary_name_is_not_written_through(la
 
 
 def test_a_symlinked_generation_file_is_refused_not_appended_through(layout):
-    from eagle3.generate.records import JsonlAppender, RecordFileError
+    from eagle3.records import JsonlAppender, RecordFileError
 
     run, outside = layout
     shard = run / "generations" / "shard-00000.jsonl"

@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from eagle3.config import GenerationConfig
-from eagle3.generate.client import EndpointPool, StatusError, backoff_s, classify, deadline_s, parse_response
+from eagle3.serving.client import EndpointPool, StatusError, backoff_s, classify, deadline_s, parse_response
 
 
 def status_error(code, headers=None, body=None):

@@ -27,7 +27,7 @@ from eagle3.errors import (
 # error reaches the pipeline as its last stderr line, raised there as VllmExtractError).
 OUTSIDE = {"eagle3.extract.vllm_worker", "eagle3.extract.vllm_connector"}
 # Classes whose instances differ: a generation request fails transiently (timeout, 5xx) or not (400).
-PER_INSTANCE = {"eagle3.generate.client.Failure", "eagle3.generate.client.StatusError"}
+PER_INSTANCE = {"eagle3.serving.client.Failure", "eagle3.serving.client.StatusError"}
 
 
 def _modules():
@@ -72,7 +72,7 @@ def test_every_error_class_is_placed_in_the_hierarchy(name):
 
 
 def test_a_per_instance_failure_is_classified_by_its_flag():
-    from eagle3.generate.client import Failure
+    from eagle3.serving.client import Failure
 
     assert is_permanent(Failure("http_400", "bad request", False))
     assert not is_permanent(Failure("timeout", "no response", True))
@@ -83,11 +83,11 @@ def test_the_six_missing_input_names_are_one_type():
     from eagle3.evaluate.prompts import MissingInput
     from eagle3.export.stage import MissingCheckpoint
     from eagle3.extract.errors import ExtractInputError
-    from eagle3.generate.stage import MissingInputError as generate_missing
+    from eagle3.run_facts import MissingInputError as facts_missing
     from eagle3.tokenize.stage import TokenizeInputError
     from eagle3.train.stage import TrainInputError
 
-    for alias in (ExtractInputError, TrainInputError, TokenizeInputError, generate_missing, MissingInput, live_missing):
+    for alias in (ExtractInputError, TrainInputError, TokenizeInputError, facts_missing, MissingInput, live_missing):
         assert alias is MissingInputError
     assert issubclass(MissingCheckpoint, MissingInputError)
 
@@ -118,8 +118,8 @@ def test_os_errors_keep_their_fields_inside_the_hierarchy():
 def test_retry_policy_refuses_permanent_errors_and_retries_transient_ones():
     from prefect.states import Failed
 
+    from eagle3.errors import TrainFailed
     from eagle3.serving.managed import ServerError
-    from eagle3.train.stage import TrainFailed
     from tasks.generate import ShardIncomplete
     from tasks.retry import unless_permanent
 
@@ -150,7 +150,7 @@ def _stage_calls():
     """What each stage's flow first calls, on an empty run directory (the real library functions)."""
     from eagle3.evaluate.live import run_evaluate
     from eagle3.export.stage import run_export
-    from eagle3.generate.stage import prepared_shards
+    from eagle3.run_facts import prepared_shards
     from eagle3.tokenize.stage import tokenize_shard
     from eagle3.train.stage import run_train
     from eagle3.vocab.stage import run_vocab

@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 
 from eagle3.config import DEMO_RECIPE, load_config
-from eagle3.generate.client import EndpointPool
-from eagle3.generate.records import read_records
 from eagle3.generate.shard import generate_shard, paths
 from eagle3.prepare.stage import run_prepare
+from eagle3.records import read_records
+from eagle3.serving.client import EndpointPool
 from fake_openai import FakeConfig, FaultRule, run_fake_server
 
 FAST = [
@@ -186,7 +186,7 @@ KILL_SCRIPT = """
 import asyncio, sys
 from pathlib import Path
 from eagle3.config import DEMO_RECIPE, load_config
-from eagle3.generate.client import EndpointPool
+from eagle3.serving.client import EndpointPool
 from eagle3.generate.shard import generate_shard
 
 config = load_config(DEMO_RECIPE, sys.argv[3:])

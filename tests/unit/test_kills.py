@@ -17,7 +17,8 @@ from conftest import ROOT
 STAGE = """
 import sys
 from eagle3.config import DEMO_RECIPE, load_config
-from eagle3.tokenize.stage import load_tokenizer, tokenize_shard, tokenizer_path
+from eagle3.tokenize.stage import tokenize_shard
+from eagle3.tokenizer import load_tokenizer, tokenizer_path
 from eagle3.vocab.stage import run_vocab
 from eagle3.extract.stage import extract_shard, plan
 config = load_config(
@@ -40,10 +41,10 @@ print("done", flush=True)
 def make_inputs(run: Path, n: int = 400) -> None:
     """Prompt shards and finished generation shards with server ids, as the generate stage leaves them."""
     from eagle3.config import DEMO_RECIPE, load_config
-    from eagle3.generate.records import JsonlAppender
     from eagle3.prepare.stage import run_prepare
+    from eagle3.records import JsonlAppender
     from eagle3.tokenize.build import render_ids
-    from eagle3.tokenize.stage import load_tokenizer, tokenizer_path
+    from eagle3.tokenizer import load_tokenizer, tokenizer_path
 
     src = run.parent / f"{run.name}-prompts.jsonl"
     src.write_text(

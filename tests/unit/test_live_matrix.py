@@ -278,7 +278,8 @@ def test_evaluate_config_knobs_validate():
 def test_cli_summary_prints_the_headline_line(tmp_path):
     from cli.main import _summary
     from eagle3.config import load_config
-    from eagle3.manifest import StageCounts, record_stage
+    from eagle3.manifest import record_stage
+    from eagle3.results import StageCounts
 
     head = _doc()["headline"]
     entry = record_stage(

@@ -10,10 +10,11 @@ from collections import Counter
 from pathlib import Path
 
 from eagle3.config import DEMO_RECIPE, load_config
-from eagle3.generate.client import EndpointPool, deadline_s
 from eagle3.generate.shard import generate_shard, paths
-from eagle3.generate.stage import out_dir, prepared_shards
+from eagle3.generate.stage import out_dir
 from eagle3.prepare.stage import run_prepare
+from eagle3.run_facts import prepared_shards
+from eagle3.serving.client import EndpointPool, deadline_s
 from fake_openai import FakeConfig, FaultRule, completion_for, run_fake_server
 
 N, SHARDS, CONCURRENCY = 3000, 4, 256

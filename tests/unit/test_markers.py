@@ -101,11 +101,12 @@ def _tiny_run(tmp_path):
     """prepare, generate (against the fake server), tokenize, vocab and extract on a tiny run."""
     from eagle3.config import DEMO_RECIPE, load_config
     from eagle3.extract.stage import extract_shard, plan, record
-    from eagle3.generate.client import EndpointPool
     from eagle3.generate.shard import generate_shard
-    from eagle3.generate.stage import expected_target
     from eagle3.prepare.stage import run_prepare
-    from eagle3.tokenize.stage import load_tokenizer, tokenize_shard, tokenizer_path
+    from eagle3.run_facts import expected_target
+    from eagle3.serving.client import EndpointPool
+    from eagle3.tokenize.stage import tokenize_shard
+    from eagle3.tokenizer import load_tokenizer, tokenizer_path
     from eagle3.vocab.stage import run_vocab
     from fake_openai import FakeConfig, run_fake_server
 
@@ -141,7 +142,8 @@ def _tiny_run(tmp_path):
 def test_every_marker_of_a_run_is_read_by_the_protocol_and_an_old_run_resumes(tmp_path):
     from eagle3.extract.stage import extract_shard, plan
     from eagle3.prepare.stage import run_prepare
-    from eagle3.tokenize.stage import load_tokenizer, tokenize_shard, tokenizer_path
+    from eagle3.tokenize.stage import tokenize_shard
+    from eagle3.tokenizer import load_tokenizer, tokenizer_path
 
     config, names = _tiny_run(tmp_path)
     run = Path(config.run_dir)

@@ -176,8 +176,9 @@ def test_mixed_rerun_is_skipped_and_a_new_weight_rebuilds(tmp_path):
 
 def test_tokenize_counts_rows_and_tokens_per_source_of_a_mix(tmp_path):
     """A mixed run's tokenized rows and tokens are counted per source (the report's per-source table)."""
-    from eagle3.generate.records import JsonlAppender
-    from eagle3.tokenize.stage import load_tokenizer, record, tokenize_shard, tokenizer_path
+    from eagle3.records import JsonlAppender
+    from eagle3.tokenize.stage import record, tokenize_shard
+    from eagle3.tokenizer import load_tokenizer, tokenizer_path
     from test_tokenize import server_record
 
     paths = _sources(tmp_path, {"chat": 6, "math": 3})

@@ -85,10 +85,10 @@ def offline_cache(hub, monkeypatch):
 
 def make_run(tmp_path: Path, *sets: str):
     """A run with one prompt shard and one finished generation shard of server token ids."""
-    from eagle3.generate.records import JsonlAppender
     from eagle3.prepare.stage import run_prepare
+    from eagle3.records import JsonlAppender
     from eagle3.tokenize.build import render_ids
-    from eagle3.tokenize.stage import load_tokenizer, tokenizer_path
+    from eagle3.tokenizer import load_tokenizer, tokenizer_path
 
     src = tmp_path / "p.jsonl"
     src.write_text(
@@ -119,7 +119,8 @@ def make_run(tmp_path: Path, *sets: str):
 
 
 def tokenize_and_vocab(config, tok):
-    from eagle3.tokenize.stage import tokenize_shard, tokenizer_path
+    from eagle3.tokenize.stage import tokenize_shard
+    from eagle3.tokenizer import tokenizer_path
     from eagle3.vocab.stage import run_vocab
 
     tokenize_shard(config, "shard-00000.parquet", tok, tokenizer_path(config))
@@ -200,8 +201,8 @@ def test_the_cli_prints_one_line_for_a_missing_model(tmp_path):
 
 
 def test_tokenize_vocab_and_generation_key_read_a_hub_id_through_the_cache(offline_cache, tmp_path):
-    from eagle3.generate.stage import expected_target
-    from eagle3.tokenize.stage import tokenizer_path
+    from eagle3.run_facts import expected_target
+    from eagle3.tokenizer import tokenizer_path
 
     config, tok = make_run(tmp_path, 'server.model="acme/tiny-qwen3"', "vocab.draft_vocab_size=256")
     assert tokenizer_path(config) == str(offline_cache["plain"])
@@ -377,7 +378,7 @@ def test_a_tied_target_trains_and_exports(tied, tmp_path):
 async def test_the_managed_server_loads_the_snapshot_under_the_hub_id(offline_cache, tmp_path):
     """vLLM gets the resolved folder (no hub access at start-up, the bytes every stage reads) and
     --served-model-name ID; requests, records and tokenize's check all use the id."""
-    from eagle3.generate.stage import expected_target
+    from eagle3.run_facts import expected_target
     from eagle3.serving.target import target_server
     from test_managed_server import STAND_IN  # a stand-in vLLM that answers /v1/models with the served name
 

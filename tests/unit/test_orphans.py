@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.serving import orphans
+from eagle3 import orphans
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs Linux /proc")
 
@@ -176,7 +176,7 @@ def test_guard_kills_descendants_in_other_sessions_that_ignore_sigterm(tmp_path)
     )
     code = textwrap.dedent(f"""
         import subprocess, sys, time
-        from eagle3.serving import orphans
+        from eagle3 import orphans
         child = subprocess.Popen([sys.executable, "-c", {stubborn!r}], start_new_session=True)
         orphans.guard_group(child.pid, pidfile={str(tmp_path / "x.pid")!r}, grace_s=1)
         time.sleep(300)

@@ -13,6 +13,7 @@ import pytest
 from source_fixtures import FIXTURES, FakeHub, config, kept, rejected, write_jsonl
 
 from eagle3.config import DEMO_RECIPE, ConfigError, DataConfig, load_config
+from eagle3.config.data import PRESET_NAMES
 from eagle3.manifest import read_manifest
 from eagle3.prepare.presets import PRESETS
 from eagle3.prepare.sources import Source, reservoir
@@ -63,6 +64,12 @@ EXPECTED = {
         {1: "non_string_content", 2: "missing_column", 3: "empty_content"},
     ),
 }
+
+
+def test_the_config_names_every_preset_and_only_them():
+    """data.preset accepts exactly the presets defined, in their order (the config lists the names
+    itself: it sits below the prepare stage)."""
+    assert PRESET_NAMES == tuple(PRESETS)
 
 
 def test_every_preset_has_a_fixture_and_an_expectation():

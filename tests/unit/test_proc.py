@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3 import proc
-from eagle3.serving import orphans
+from eagle3 import orphans, proc
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs Linux /proc")
 

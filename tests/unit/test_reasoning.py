@@ -15,7 +15,6 @@ from reasoning_cases import build_row, cases, render_all  # noqa: E402
 
 from eagle3.config import DEMO_RECIPE, ConfigError, load_config  # noqa: E402
 from eagle3.errors import InputError  # noqa: E402
-from eagle3.generate.records import JsonlAppender  # noqa: E402
 from eagle3.markers import read_marker  # noqa: E402
 from eagle3.prepare.stage import run_prepare  # noqa: E402
 from eagle3.reasoning import (  # noqa: E402
@@ -27,8 +26,10 @@ from eagle3.reasoning import (  # noqa: E402
     request_extras_for,
     strip_reasoning,
 )
+from eagle3.records import JsonlAppender  # noqa: E402
 from eagle3.tokenize.build import answer_only, render_ids  # noqa: E402
-from eagle3.tokenize.stage import load_tokenizer, tokenize_shard, tokenizer_path  # noqa: E402
+from eagle3.tokenize.stage import tokenize_shard  # noqa: E402
+from eagle3.tokenizer import load_tokenizer, tokenizer_path  # noqa: E402
 from test_tokenize import segments  # noqa: E402
 from tokenize_cases import tokenizer_for  # noqa: E402
 

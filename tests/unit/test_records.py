@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from eagle3.generate.records import JsonlAppender, RecordFileError, read_records, repair_torn_tail
+from eagle3.records import JsonlAppender, RecordFileError, read_records, repair_torn_tail
 
 
 def test_every_append_is_on_disk_before_close(tmp_path):
@@ -22,7 +22,7 @@ def test_records_survive_sigkill_of_the_writer(tmp_path):
     path = tmp_path / "s.jsonl"
     code = (
         "import os, signal, sys\n"
-        "from eagle3.generate.records import JsonlAppender\n"
+        "from eagle3.records import JsonlAppender\n"
         "w = JsonlAppender(sys.argv[1], fsync_every=1000)\n"
         "for i in range(50): w.append({'id': i})\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n"
@@ -70,7 +70,7 @@ def test_an_fsync_behind_runs_every_n_records_and_its_failure_is_raised(tmp_path
     import errno
     import os
 
-    import eagle3.generate.records as records_module
+    import eagle3.records as records_module
     from eagle3.durable import DiskWriteError
 
     synced, real = [], os.fsync
@@ -123,7 +123,7 @@ def test_a_record_line_is_the_compact_utf8_json_of_the_record(tmp_path):
 def test_fsyncs_are_spaced_by_the_minimum_interval(tmp_path, monkeypatch):
     """With fsync_min_interval_s an fsync falls due after fsync_every records *and* that long since the
     last one: a fast stream syncs a few times a second, a slow one every fsync_every records."""
-    import eagle3.generate.records as records_module
+    import eagle3.records as records_module
 
     now = [100.0]
     monkeypatch.setattr(records_module.time, "monotonic", lambda: now[0])

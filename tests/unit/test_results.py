@@ -5,8 +5,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from eagle3.manifest import StageCounts
-from eagle3.results import StageResult
+from eagle3.results import StageCounts, StageResult
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from eagle3.config import DEMO_RECIPE, load_config
-from eagle3.generate.records import read_records
 from eagle3.generate.samples import prompt_of, sample_id, sampling_for
 from eagle3.generate.shard import generation_key, paths
+from eagle3.records import read_records
 from eagle3.train.split import is_heldout
 from fake_openai import FakeConfig, run_fake_server
 from test_generate_faults import accounting, generate, make_run

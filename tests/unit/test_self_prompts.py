@@ -17,11 +17,11 @@ import pytest
 
 from conftest import ROOT
 from eagle3.config import DEMO_RECIPE, ConfigError, load_config
-from eagle3.generate.client import EndpointPool
 from eagle3.prepare import self_prompts as sp_mod
 from eagle3.prepare.dedup import NearDuplicates, band_rows
 from eagle3.prepare.self_prompts import SelfPromptsError, collect, make_plan
 from eagle3.prepare.turn_prefix import derive, derive_all
+from eagle3.serving.client import EndpointPool
 from fake_openai import FakeConfig, FaultRule, run_fake_server, vocabulary
 
 # A SmolLM2-style ChatML template: without a system message it writes a default one.

@@ -15,8 +15,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from eagle3 import records as records_module
 from eagle3.durable import DiskWriteError, sha256_file
-from eagle3.generate import records as records_module
 from eagle3.generate.shard import paths
 from eagle3.schemas import SchemaError, TokenizerMismatchError, tokenizer_hash
 from fake_openai import FakeConfig, run_fake_server
@@ -93,7 +93,7 @@ def test_a_failing_write_during_generation_leaves_no_marker_and_no_torn_record(t
         kept = [json.loads(line) for line in raw.splitlines()]
         if fault == "full_disk_mid_record":
             assert len(kept) == 11, "the records before the fault are kept, the torn one is not"
-        # A full disk stops the shard at the failing write. An fsync runs behind (records.py): the records
+        # A full disk stops the shard at the failing write. An fsync runs behind (eagle3/records.py): the records
         # that arrived while it ran are written before its failure is seen, possibly all of them.
         assert len(kept) < len(PROMPTS) if fault == "full_disk_mid_record" else len(kept) <= len(PROMPTS)
         assert len({r["id"] for r in kept}) == len(kept)
@@ -261,7 +261,8 @@ def test_a_prompt_shard_with_the_wrong_columns_is_refused_before_any_request(tmp
 
 def test_a_prompt_shard_with_the_wrong_columns_is_refused_by_tokenize(tmp_path):
     from eagle3.config import DEMO_RECIPE, load_config
-    from eagle3.tokenize.stage import load_tokenizer, tokenize_shard, tokenizer_path
+    from eagle3.tokenize.stage import tokenize_shard
+    from eagle3.tokenizer import load_tokenizer, tokenizer_path
     from test_kills import make_inputs
 
     run = tmp_path / "run"
@@ -298,7 +299,8 @@ def stored_extract(config, names, layer_ids=(1, 2, 3)) -> None:
     import numpy as np
     from safetensors.numpy import save_file
 
-    from eagle3.manifest import StageCounts, record_stage
+    from eagle3.manifest import record_stage
+    from eagle3.results import StageCounts
 
     vocab = Path(config.run_dir) / "vocab"
     vocab.mkdir(exist_ok=True)
@@ -357,7 +359,8 @@ def test_a_tokenizer_changed_since_tokenize_is_refused_by_extract_and_train(tmp_
     from eagle3.config import DEMO_RECIPE, load_config
     from eagle3.extract.stage import plan
     from eagle3.models import resolve_model
-    from eagle3.tokenize.stage import load_tokenizer, tokenize_shard, tokenizer_path
+    from eagle3.tokenize.stage import tokenize_shard
+    from eagle3.tokenizer import load_tokenizer, tokenizer_path
     from eagle3.train.stage import run_train
     from test_kills import make_inputs
 

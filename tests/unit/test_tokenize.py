@@ -11,16 +11,11 @@ from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "tests" / "golden"))
 from eagle3.config import DEMO_RECIPE, load_config  # noqa: E402
-from eagle3.generate.records import JsonlAppender  # noqa: E402
 from eagle3.prepare.stage import run_prepare  # noqa: E402
+from eagle3.records import JsonlAppender  # noqa: E402
 from eagle3.tokenize.build import from_template, render_ids  # noqa: E402
-from eagle3.tokenize.stage import (  # noqa: E402
-    TokenizeInputError,
-    load_tokenizer,
-    record,
-    tokenize_shard,
-    tokenizer_path,
-)
+from eagle3.tokenize.stage import TokenizeInputError, record, tokenize_shard  # noqa: E402
+from eagle3.tokenizer import load_tokenizer, tokenizer_path  # noqa: E402
 from tokenize_cases import CONVERSATIONS, TEMPLATES, render_all, tokenizer_for  # noqa: E402
 
 SUPERVISED = {

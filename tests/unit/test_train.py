@@ -408,7 +408,7 @@ def test_a_reduced_draft_vocabulary_from_the_counts_to_the_export(tmp_path):
 
     from eagle3.export.layouts import export_checkpoint, validate_export
     from eagle3.models import resolve_model
-    from eagle3.tokenize.stage import load_tokenizer, tokenizer_path
+    from eagle3.tokenizer import load_tokenizer, tokenizer_path
     from eagle3.train.target import load_target_head
     from eagle3.train.trainer import Dist, Trainer
     from eagle3.vocab.mapping import load as load_vocab, must_keep

@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3.serving import guard as guard_script
+from eagle3 import guard as guard_script
 
 logger = logging.getLogger(__name__)
 

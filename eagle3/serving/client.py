@@ -57,7 +57,7 @@ import httpx
 
 from eagle3.config import GenerationConfig
 from eagle3.errors import Eagle3Error
-from eagle3.generate.records import JsonlAppender
+from eagle3.records import JsonlAppender
 
 TRANSIENT_STATUS = {408, 409, 425, 429}
 # A benched replica comes back when a probe answers; without a running event loop (no
