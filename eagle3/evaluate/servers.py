@@ -31,7 +31,9 @@ import httpx
 
 from eagle3.evaluate.errors import EvaluationFailed
 
-BASE_METHODS = ("none", "ngram", "untrained", "trained")
+BASE_METHODS = ("none", "ngram", "suffix", "untrained", "trained")
+# What a user gets without training: the baselines a drafter's speed-up is divided by (speedup_vs_best_free).
+FREE_METHODS = ("none", "ngram", "suffix")
 COMPILED = "_compiled"
 EAGER_FLAG = "--enforce-eager"
 METHODS = BASE_METHODS + tuple(m + COMPILED for m in BASE_METHODS)
@@ -62,10 +64,15 @@ def speculative_config(method: str, config, drafters: dict[str, Path]) -> dict |
     method = base_method(method)
     if method == "none":
         return None
+    if method == "suffix":  # vLLM's suffix decoding; needs arctic-inference (evaluate.suffix_python)
+        return {
+            "method": "suffix",
+            "num_speculative_tokens": ev.ngram_num_speculative_tokens or ev.num_speculative_tokens,
+        }
     if method == "ngram":
         return {
             "method": "ngram",
-            "num_speculative_tokens": ev.num_speculative_tokens,
+            "num_speculative_tokens": ev.ngram_num_speculative_tokens or ev.num_speculative_tokens,
             "prompt_lookup_max": ev.ngram_prompt_lookup_max,
             "prompt_lookup_min": ev.ngram_prompt_lookup_min,
         }
@@ -90,7 +97,8 @@ def make_server(config, method: str, spec: dict | None, log_path: Path, logger):
 
     server = config.server
     model = resolve_model(server.model)
-    command = vllm_launcher(server)
+    suffix_python = config.evaluate.suffix_python if base_method(method) == "suffix" else None
+    command = vllm_launcher(server.model_copy(update={"python": suffix_python}) if suffix_python else server)
     extra = [
         *method_args(method, vllm_args(server, model)),
         *(["--speculative-config", json.dumps(spec)] if spec else []),

@@ -360,3 +360,49 @@ def test_compiled_variants_serve_without_enforce_eager_and_the_headline_divides_
     plain = {c["method"]: c for c in matrix.pool_cells(visits[:1] + visits[2:4], ["none", "ngram", "trained"])}
     assert plain["trained"]["speedup_vs_fastest_none"] is None
     assert "speedup_fastest_vs_fastest_none" not in headline({**doc, "cells": list(plain.values())})
+
+
+def test_suffix_and_ngram_at_their_own_k_and_the_speedup_divides_by_the_fastest_free_method(tmp_path):
+    from eagle3.config import load_config
+    from eagle3.evaluate import servers
+
+    cfg = load_config(
+        None,
+        [
+            'server.args=["--enforce-eager"]',
+            'server.model="tiny:qwen3"',
+            'evaluate.methods=["none", "ngram", "suffix", "trained"]',
+            "evaluate.num_speculative_tokens=3",
+            "evaluate.ngram_num_speculative_tokens=5",
+            'evaluate.suffix_python="/venvs/suffix/bin/python"',
+        ],
+    )
+    assert servers.speculative_config("suffix", cfg, {}) == {"method": "suffix", "num_speculative_tokens": 5}
+    assert servers.speculative_config("ngram", cfg, {})["num_speculative_tokens"] == 5
+    assert servers.speculative_config("trained", cfg, {"trained": tmp_path})["num_speculative_tokens"] == 3
+    plain = load_config(None, ['evaluate.methods=["ngram"]'])
+    assert servers.speculative_config("ngram", plain, {})["num_speculative_tokens"] == 3  # equal K by default
+    # suffix decoding is served by the interpreter that has arctic-inference; the rest by server.python
+    suffix = servers.make_server(cfg, "suffix", {"method": "suffix"}, tmp_path / "s.log", None)
+    none = servers.make_server(cfg, "none", None, tmp_path / "n.log", None)
+    assert suffix.argv[0] == "/venvs/suffix/bin/python" and none.argv[0] != "/venvs/suffix/bin/python"
+
+    # none 5 tok/s, n-gram 10, suffix 12.5 (its compiled variant 14), trained 20: the best free is suffix_compiled
+    visits = [
+        _visit("none", 0, None, 21, 4.0, [1]),
+        _visit("ngram", 0, _raw(2, 4, [2, 1, 1]), 21, 2.0, [1]),
+        _visit("suffix", 0, _raw(2, 4, [2, 1, 1]), 21, 1.6, [1]),
+        _visit("suffix_compiled", 0, _raw(2, 4, [2, 1, 1]), 21, 20 / 14, [1]),
+        _visit("trained", 0, _raw(8, 8, [5, 2, 1]), 21, 1.0, [1]),
+    ]
+    methods = ["none", "ngram", "suffix", "suffix_compiled", "trained"]
+    cells = {c["method"]: c for c in matrix.pool_cells(visits, methods)}
+    assert cells["trained"]["speedup_vs_best_free"] == pytest.approx(20 / 14)
+    assert cells["ngram"]["speedup_vs_best_free"] == pytest.approx(10 / 14)
+    ratio = matrix.best_free_ratio(cells)
+    assert ratio == {
+        "speedup_vs_best_free": pytest.approx(20 / 14),
+        "best_free_method": "suffix_compiled",
+        "fastest_trained_method": "trained",
+    }
+    assert matrix.best_free_ratio({k: v for k, v in cells.items() if k != "trained"}) == {}

@@ -1,0 +1,62 @@
+"""benchmarks/README.md's generated tables for the fixed evaluation suite: the free speculators
+(results/free_speculators.json) and the sample-efficiency ablation (results/sample_efficiency.json)."""
+
+from __future__ import annotations
+
+from table_format import interval, num, table
+
+
+def free_speculator_methods(results: dict[str, dict]) -> str:
+    """Per method served live on the suite: tokens per target step pooled (interval) and per category,
+    vLLM's own counter ratio, decode tokens/s."""
+    data = results["free_speculators"]
+    cats = list(next(iter(data["tables"].values()))["categories"])
+    rows = []
+    for name, t in data["tables"].items():
+        spec = (data["measurements"].get(name) or {}).get("speculative_config") or {}
+        setting = (
+            f"{spec['prompt_lookup_min']}-{spec['prompt_lookup_max']}, K={spec['num_speculative_tokens']}"
+            if spec.get("method") == "ngram"
+            else spec.get("method", name)
+        )
+        rows.append(
+            [name, setting, f"**{num(t['pooled']['acceptance_length'], 2)}**", interval(t["pooled"]["ci95"])]
+            + [num(t["categories"][c]["acceptance_length"], 2) for c in cats]
+            + [num(t["pooled"].get("acceptance_length_vllm"), 2), num(data["decode_tokens_per_s"].get(name), 1)]
+        )
+    head = ["method", "n-gram min-max, K", "tokens per step", "95% interval", *cats, "vLLM's ratio", "decode tok/s"]
+    return table(head, rows)
+
+
+def free_speculator_grid(results: dict[str, dict]) -> str:
+    """The n-gram grid replayed over the no-speculation answers, best first (the first 8 and the last)."""
+    grid = results["free_speculators"]["grid"]
+    shown = grid[:8] + grid[-1:]
+    cats = list(shown[0]["by_category"])
+    rows = [
+        [g["prompt_lookup_min"], g["prompt_lookup_max"], g["k"], f"**{num(g['acceptance_length'], 3)}**"]
+        + [interval(g["ci95"])]
+        + [num(g["by_category"][c], 2) for c in cats]
+        for g in shown
+    ]
+    return table(["min", "max", "K", "tokens per step", "95% interval", *cats], rows)
+
+
+def sample_efficiency_arms(results: dict[str, dict]) -> str:
+    """The lab notebook: per arm its levers, budget, tau on the suite with its interval, per category, the
+    paired difference to the baseline, and its CPU seconds."""
+    data = results["sample_efficiency"]
+    arms = data["arms"]
+    cats = list(next(iter(arms.values()))["result"]["by_category"])
+    rows = []
+    for name, a in arms.items():
+        r, diff = a["result"], a.get("vs_baseline") or {}
+        levers = ", ".join(f"`{s}`" for s in [*a["data_sets"], *a["sets"]]) or "(recipe)"
+        change = f"{num(diff['difference'], 3)} {interval(diff['ci95'])}" if diff.get("difference") is not None else "-"
+        rows.append(
+            [name, levers, a["budget"]["samples"], f"**{num(r['acceptance_length'], 3)}**", interval(r["ci95"])]
+            + [num(r["by_category"][c], 2) for c in cats]
+            + [change, num(r.get("offline_heldout_acceptance_length"), 3), num(a["cpu_s_train_export_evaluate"], 0)]
+        )
+    head = ["arm", "levers", "samples", "tau (suite)", "95% interval", *cats, f"vs {data['baseline']} (paired)"]
+    return table(head + ["offline held-out tau", "CPU s (train+export+eval)"], rows)
