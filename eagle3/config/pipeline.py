@@ -75,16 +75,6 @@ class PipelineConfig(_Strict):
         return run_dir
 
     @model_validator(mode="after")
-    def _replicas_need_a_cluster(self):
-        if self.server.replicas > 1 and self.server.mode == "managed" and not self.cluster.address:
-            raise ValueError(
-                f"server.replicas = {self.server.replicas} needs cluster.address: managed replicas are placed on a Ray "
-                "cluster's resources. Set cluster.address, or serve the copies yourself and list them in server.urls "
-                "(server.mode = external)"
-            )
-        return self
-
-    @model_validator(mode="after")
     def _cluster_clients_reach_the_server(self):
         loopback = self.server.host in ("127.0.0.1", "localhost", "::1")
         if self.cluster.runs("generate") and self.server.mode == "managed" and self.server.replicas == 1 and loopback:

