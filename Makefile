@@ -67,7 +67,7 @@ bench: venv $(if $(LONG),venv-vllm real-target)
 ## make test-speculators: our speculators export loaded by vllm-project/speculators itself. Optional,
 ## not part of `make test`: it builds its own .venv-speculators (CPU torch, ~2 GB, a few minutes once).
 venv-speculators:
-	@scripts/ensure_speculators_venv.sh
+	@scripts/ensure_venv.sh speculators
 
 test-speculators: venv venv-speculators
 	@$(VENV)/bin/python -m pytest tests/integration/test_speculators_lib.py $(PYTEST_ARGS)
