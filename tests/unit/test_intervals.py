@@ -78,3 +78,25 @@ def test_failed_requests_are_left_out_and_categories_keep_their_order():
     assert table["categories"]["code"]["acceptance_length"] == pytest.approx(3.0)
     assert table["categories"]["math"]["acceptance_length"] == pytest.approx(60 / 50)
     assert intervals.pooled([_row("x", 0, 0, 0, ok=False)])["acceptance_length"] is None
+
+
+def test_the_ablations_paired_difference_cancels_the_prompts_own_spread():
+    import sys
+
+    from conftest import ROOT
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_sample_efficiency import paired_difference
+
+    # prompts of very different difficulty; the arm accepts exactly one more token on each than the baseline
+    base = [_row(f"p{i}", 40, a, 39 - a) for i, a in enumerate((0, 5, 10, 20, 30, 35) * 5)]
+    arm = [_row(r["id"], 40, r["accepted_tokens"] + 1, r["drafts"]) for r in base]
+    same = paired_difference(base, base)
+    assert same["difference"] == 0.0 and same["ci95"] == [0.0, 0.0] and same["prompts"] == 30
+    better = paired_difference(arm, base)
+    assert better["difference"] > 0 and better["ci95"][0] > 0, "a uniform gain is significant when paired"
+    # unpaired, the two pools' intervals overlap: the spread between prompts hides the gain
+    _, base_low, base_high = intervals.ratio_interval([40] * 30, [40 - r["accepted_tokens"] for r in base])
+    _, arm_low, _ = intervals.ratio_interval([40] * 30, [40 - r["accepted_tokens"] for r in arm])
+    assert arm_low < base_high
+    assert paired_difference(arm, [])["difference"] is None
