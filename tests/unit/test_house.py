@@ -41,3 +41,12 @@ def test_the_check_names_a_long_module_and_only_it(tmp_path):
     counts = line_counts(tmp_path, ("eagle3",))
     assert oversized(counts) == [f"eagle3/deep/long.py: {MAX_LINES + 1} lines"]
     assert oversized(counts, frozenset({"eagle3/deep/long.py"})) == []
+
+
+def test_no_two_test_modules_share_a_basename():
+    """pytest imports test modules by basename (rootdir-relative, no packages): a second file with the same
+    name stops collection of the whole suite ("import file mismatch"), which only a clean run shows."""
+    from collections import Counter
+
+    names = Counter(p.name for p in (ROOT / "tests").rglob("test_*.py"))
+    assert not [n for n, k in names.items() if k > 1]
