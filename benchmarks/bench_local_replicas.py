@@ -41,18 +41,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
+from bench_real_target import completion_tokens  # noqa: E402  (the target tokens in a run's records)
+
 import results_file  # noqa: E402
 
 RUNS = ROOT / "runs" / "bench-local-replicas"
-
-
-def completion_tokens(run_dir: Path) -> int:
-    total = 0
-    for path in sorted((run_dir / "generations").glob("shard-?????.jsonl")):
-        for line in path.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                total += len(json.loads(line).get("completion_token_ids") or ())
-    return total
 
 
 async def generate(config, logger) -> dict:
