@@ -37,6 +37,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import results_file  # noqa: E402
 from eagle3.durable import read_json  # noqa: E402
+from eagle3.evaluate.intervals import paired_difference  # noqa: E402
 
 DATA_STAGES = ("prepare", "generate", "tokenize", "vocab", "extract")
 ARM_STAGES = ("train", "export", "evaluate")
@@ -83,31 +84,6 @@ def link_data(data: Path, arm: Path) -> None:
             shutil.copytree(data / name, arm / name, copy_function=os.link)
     if not (arm / "manifest.json").exists():
         shutil.copy2(data / "manifest.json", arm / "manifest.json")
-
-
-def paired_difference(arm_rows: list[dict], base_rows: list[dict], seed: int = 0, resamples: int = 10_000) -> dict:
-    """tau(arm) - tau(baseline) over the prompts both answered, with a paired percentile-bootstrap interval."""
-    import numpy as np
-
-    def steps(r):
-        return r["completion_tokens"] - r["accepted_tokens"]
-
-    base = {r["id"]: r for r in base_rows if r["ok"] and steps(r) > 0}
-    pairs = [(r, base[r["id"]]) for r in arm_rows if r["ok"] and steps(r) > 0 and r["id"] in base]
-    if not pairs:
-        return {"prompts": 0, "difference": None, "ci95": None}
-    a_n = np.array([a["completion_tokens"] for a, _ in pairs], dtype=float)
-    a_d = np.array([steps(a) for a, _ in pairs], dtype=float)
-    b_n = np.array([b["completion_tokens"] for _, b in pairs], dtype=float)
-    b_d = np.array([steps(b) for _, b in pairs], dtype=float)
-    picks = np.random.default_rng(seed).integers(0, len(pairs), size=(resamples, len(pairs)))
-    diffs = a_n[picks].sum(1) / a_d[picks].sum(1) - b_n[picks].sum(1) / b_d[picks].sum(1)
-    low, high = np.quantile(diffs, [0.025, 0.975])
-    return {
-        "prompts": len(pairs),
-        "difference": float(a_n.sum() / a_d.sum() - b_n.sum() / b_d.sum()),
-        "ci95": [float(low), float(high)],
-    }
 
 
 def arm_result(arm: Path) -> dict:

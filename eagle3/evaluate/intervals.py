@@ -65,6 +65,35 @@ def pooled(rows: list[dict]) -> dict:
     }
 
 
+def paired_difference(
+    rows: list[dict], base_rows: list[dict], *, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED
+) -> dict:
+    """tau(rows) - tau(base_rows) over the prompts both answered, with a paired percentile-bootstrap interval:
+    both pools are resampled with the same prompts, so the prompts' own spread cancels out (an ablation arm
+    against its baseline on one suite)."""
+    base = {r["id"]: r for r in base_rows if r["ok"] and _steps(r) > 0}
+    pairs = [(r, base[r["id"]]) for r in rows if r["ok"] and _steps(r) > 0 and r["id"] in base]
+    if not pairs:
+        return {"prompts": 0, "difference": None, "ci95": None}
+
+    def column(side: int, of) -> np.ndarray:
+        return np.array([of(pair[side]) for pair in pairs], dtype=np.float64)
+
+    def tokens(row: dict) -> int:
+        return row["completion_tokens"]
+
+    a_n, a_d, b_n, b_d = column(0, tokens), column(0, _steps), column(1, tokens), column(1, _steps)
+    picks = np.random.default_rng(seed).integers(0, len(pairs), size=(resamples, len(pairs)))
+    diffs = a_n[picks].sum(1) / a_d[picks].sum(1) - b_n[picks].sum(1) / b_d[picks].sum(1)
+    tail = (1.0 - LEVEL) / 2.0
+    low, high = np.quantile(diffs, [tail, 1.0 - tail])
+    return {
+        "prompts": len(pairs),
+        "difference": float(a_n.sum() / a_d.sum() - b_n.sum() / b_d.sum()),
+        "ci95": [float(low), float(high)],
+    }
+
+
 def by_category(rows: list[dict], category_of: dict[str, str]) -> dict:
     """{"pooled": pooled(all), "categories": {category: pooled(its rows)}} in the suite's category order."""
     cats: dict[str, list[dict]] = {}

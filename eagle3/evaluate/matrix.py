@@ -359,8 +359,8 @@ def pool_cells(visits: list[dict], methods: list[str]) -> list[dict]:
             cell["speedup_vs_fastest_none"] = (
                 rate / fastest if rate and fastest and len(variants(group, "none")) > 1 else None
             )
-            free = best_free_rate(group)
-            cell["speedup_vs_best_free"] = rate / free if rate and free else None
+            free = best_free_cell(group)
+            cell["speedup_vs_best_free"] = rate / free["decode_tokens_per_s"] if rate and free else None
         cells += group.values()
     return cells
 
@@ -370,11 +370,11 @@ def variants(group: dict[str, dict], base: str) -> list[dict]:
     return [group[m] for m in (base, base + servers.COMPILED) if m in group]
 
 
-def best_free_rate(group: dict[str, dict]) -> float | None:
-    """The fastest decode rate among the methods a user has without training (no speculation, n-gram,
-    suffix decoding), in either graph mode, of those measured."""
-    rates = [r for b in servers.FREE_METHODS if (r := fastest_rate(group, b))]
-    return max(rates) if rates else None
+def best_free_cell(group: dict[str, dict]) -> dict | None:
+    """The fastest of the methods a user has without training (no speculation, n-gram, suffix decoding), in
+    either graph mode, of those measured."""
+    free = [c for b in servers.FREE_METHODS for c in variants(group, b) if c["decode_tokens_per_s"]]
+    return max(free, key=lambda c: c["decode_tokens_per_s"], default=None)
 
 
 def fastest_rate(group: dict[str, dict], base: str) -> float | None:
@@ -407,11 +407,10 @@ def fastest_ratios(group: dict[str, dict]) -> dict:
 def best_free_ratio(group: dict[str, dict]) -> dict:
     """The fastest trained server (either graph mode) over the fastest free method (none, n-gram, suffix;
     either mode), naming both: the speed-up a user gets for training a drafter."""
-    free = [c for b in servers.FREE_METHODS for c in variants(group, b) if c["decode_tokens_per_s"]]
-    trained = [c for c in variants(group, "trained") if c["decode_tokens_per_s"]]
-    if not free or not trained:
+    best = best_free_cell(group)
+    top = max(variants(group, "trained"), key=lambda c: c["decode_tokens_per_s"] or 0.0, default=None)
+    if best is None or top is None or not top["decode_tokens_per_s"]:
         return {}
-    best, top = max(free, key=lambda c: c["decode_tokens_per_s"]), max(trained, key=lambda c: c["decode_tokens_per_s"])
     return {
         "speedup_vs_best_free": top["decode_tokens_per_s"] / best["decode_tokens_per_s"],
         "best_free_method": best["method"],

@@ -81,12 +81,7 @@ def test_failed_requests_are_left_out_and_categories_keep_their_order():
 
 
 def test_the_ablations_paired_difference_cancels_the_prompts_own_spread():
-    import sys
-
-    from conftest import ROOT
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_sample_efficiency import paired_difference
+    from eagle3.evaluate.intervals import paired_difference
 
     # prompts of very different difficulty; the arm accepts exactly one more token on each than the baseline
     base = [_row(f"p{i}", 40, a, 39 - a) for i, a in enumerate((0, 5, 10, 20, 30, 35) * 5)]
