@@ -75,10 +75,6 @@ def _measure(config, name: str, spec: dict | None, prompts: list[dict], work: Pa
     }
 
 
-def _table(rows: list[dict], category_of: dict[str, str]) -> dict:
-    return intervals.by_category(rows, category_of)
-
-
 def _grid(reference: dict, prompts: list[dict], category_of: dict[str, str]) -> list[dict]:
     out = []
     for min_n, max_n, k in itertools.product(GRID_MIN, GRID_MAX, GRID_K):
@@ -91,7 +87,7 @@ def _grid(reference: dict, prompts: list[dict], category_of: dict[str, str]) -> 
                 continue
             counts = replay(answer["prompt"], answer["output"], min_n=min_n, max_n=max_n, k=k)
             rows.append({"id": p["id"], "ok": True, **counts})
-        table = _table(rows, category_of)
+        table = intervals.by_category(rows, category_of)
         out.append({"prompt_lookup_min": min_n, "prompt_lookup_max": max_n, "k": k, **table})
     return sorted(out, key=lambda r: -r["pooled"]["acceptance_length"])
 
@@ -201,12 +197,12 @@ def main() -> None:
         subset += [p for p in prompts if p["category"] == c][: args.aa_per_category]
     none_again = step("none_aa", lambda: _measure(config, "none_aa", None, subset, work))
 
-    tables = {name: _table(m["per_prompt"], category_of) for name, m in live.items()}
-    tables["none"] = _table(none["per_prompt"], category_of)
+    tables = {name: intervals.by_category(m["per_prompt"], category_of) for name, m in live.items()}
+    tables["none"] = intervals.by_category(none["per_prompt"], category_of)
     checks = {name: _replay_check(m, none, m["speculative_config"]) for name, m in live.items()}
     suffix_ok = suffix is not None and "error" not in suffix
     if suffix_ok:
-        tables["suffix"] = _table(suffix["per_prompt"], category_of)
+        tables["suffix"] = intervals.by_category(suffix["per_prompt"], category_of)
     rates = {name: m["decode_tokens_per_s"] for name, m in {**live, "none": none}.items()}
     if suffix_ok:
         rates["suffix"] = suffix["decode_tokens_per_s"]
