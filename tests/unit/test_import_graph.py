@@ -13,6 +13,12 @@ it; peers in one layer may import each other as long as no circle results. A mod
 the longest entry it equals or sits under. A shared piece that two modules need goes below both
 (an error to an errors.py, a helper to the shared layer); a lower layer that must call up takes a
 function or a name to resolve (the registry's "module:function" strings).
+
+Two rules keep the stages apart: no module outside a stage's package imports that stage's own module
+(``eagle3.<stage>.stage``; flows/ and tasks/, which run it, excepted), and no module of flows/ or
+tasks/ imports another stage's flow or task module (``flows.<stage>``, ``tasks.<stage>``): what a stage
+needs to know about the run (the shard list, the tokenizer, the target) comes from the run's facts
+(eagle3/run_facts.py), resolved once and handed down.
 """
 
 from __future__ import annotations
@@ -279,6 +285,27 @@ def into_stage_modules(graph: dict[str, dict[str, Edge]], owners: dict[str, str]
     return out
 
 
+def across_stages(graph: dict[str, dict[str, Edge]], names) -> list[str]:
+    """Imports in flows/ and tasks/ of another stage's flow or task module.
+
+    The rule: ``flows.<stage>`` and ``tasks.<stage>`` (``<stage>`` a name in the registry) may import
+    ``flows.<stage>`` / ``tasks.<stage>`` of their own stage only; the modules of neither package that
+    are no stage's (``flows.pipeline``, ``flows.cluster``, ``tasks.retry``, ``tasks.report``...) may
+    import no stage's flow or task module either (the parent flow resolves them by name from the
+    registry). A shard list, a tokenizer path or a plan comes from the run's facts
+    (eagle3/run_facts.py), never from another stage's orchestration."""
+    names, out = set(names), []
+    for module, edges in sorted(graph.items()):
+        package, _, own = module.partition(".")
+        if package not in ("flows", "tasks"):
+            continue
+        for target, edge in sorted(edges.items()):
+            there, _, stage = target.partition(".")
+            if there in ("flows", "tasks") and stage in names and stage != own:
+                out.append(f"{module} -> {target}: {edge}")
+    return out
+
+
 def heavy_at_import(graph, outside, starts, heavy=HEAVY) -> list[str]:
     """How importing each of ``starts`` imports a ``heavy`` package: module-level imports only."""
     out = []
@@ -344,6 +371,11 @@ def test_every_import_points_down_the_layers():
 def test_no_stage_imports_another_stages_module():
     found = into_stage_modules(GRAPH, stage_modules())
     assert not found, _report("another stage's own module imported (resolve the fact in eagle3/run_facts.py)", found)
+
+
+def test_no_flow_or_task_imports_another_stages_flow_or_tasks():
+    found = across_stages(GRAPH, stages.names())
+    assert not found, _report("another stage's flow or tasks imported (read the fact from RunFacts)", found)
 
 
 def test_the_library_never_imports_the_orchestration():
@@ -418,6 +450,45 @@ def test_relative_and_type_checking_imports(tmp_path):
     assert set(graph["pkg.sub.c"]) == {"pkg.d"} and set(graph["pkg"]) == {"pkg.a"}
     assert [(e.target, e.top) for e in outside["pkg.a"]] == [("typing", True), ("torch", True)]
     assert cycles(graph) == []
+
+
+def test_a_stage_reaching_into_another_stages_module_is_named(tmp_path):
+    """Both stage rules on a small tree: eagle3/<stage>/ importing another stage's stage.py, and a flow
+    taking a shard list from another stage's tasks module."""
+    graph, _ = _tree(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/a/__init__.py": "",
+            "pkg/a/stage.py": "",
+            "pkg/a/data.py": "from pkg.a.stage import x\n",  # its own stage: fine
+            "pkg/b/__init__.py": "",
+            "pkg/b/stage.py": "",
+            "pkg/b/data.py": "def f():\n    from pkg.a.stage import shards\n",
+        },
+    )
+    assert into_stage_modules(graph, {"pkg.a.stage": "pkg.a", "pkg.b.stage": "pkg.b"}) == [
+        "pkg.b.data -> pkg.a.stage: pkg/b/data.py:2 imports pkg.a.stage inside a function"
+    ]
+    (tmp_path / "flows").mkdir()
+    (tmp_path / "tasks").mkdir()
+    files = {
+        "flows/__init__.py": "",
+        "tasks/__init__.py": "",
+        "tasks/a.py": "",
+        "tasks/b.py": "",
+        "tasks/retry.py": "",
+        "flows/a.py": "from tasks.a import t\nfrom tasks.retry import r\n",  # its own tasks, a shared helper
+        "flows/b.py": "from tasks.a import shard_names\nfrom tasks.b import t\n",
+        "flows/pipeline.py": "from flows.a import a_flow\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    graph, _ = read_graph(tmp_path, ("flows", "tasks"))
+    assert across_stages(graph, ["a", "b"]) == [
+        "flows.b -> tasks.a: flows/b.py:1 imports tasks.a",
+        "flows.pipeline -> flows.a: flows/pipeline.py:1 imports flows.a",
+    ]
 
 
 def test_upward_imports_and_heavy_imports_are_named(tmp_path):
