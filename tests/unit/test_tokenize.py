@@ -117,7 +117,7 @@ def test_server_ids_path_masks_exactly_the_completion(tmp_path):
         assert row["loss_mask"] == [0] * len(rec["prompt_token_ids"]) + [1] * len(rec["completion_token_ids"])
         assert row["num_supervised"] == len(rec["completion_token_ids"]) and row["path"] == "server_ids"
     assert result.template_check["checked"] == 6 and result.template_check["prompt_mismatch"] == 0
-    entry = record(config, [result], tokenizer_path(config))
+    entry = record(RunFacts.resolve(config), [result])
     assert entry["template_check"]["mismatch_rate"]["prompt_mismatch"] == 0.0
 
 
