@@ -111,18 +111,19 @@ def one_run(base: Path, work: Path, stage: str, name: str, address: str | None, 
 def tokenized_base(base: Path, rows: int, shards: int) -> None:
     """Inputs of the extract stage: tokenized shards and the draft vocabulary, made once, untimed."""
     from eagle3.config import DEMO_RECIPE, load_config
+    from eagle3.run_facts import RunFacts
     from eagle3.tokenize.stage import tokenize_shard
-    from eagle3.tokenizer import load_tokenizer, tokenizer_path
+    from eagle3.tokenizer import load_tokenizer
     from eagle3.vocab.stage import run_vocab
 
     make_inputs(base, rows, shards, seed=1)
     config = load_config(DEMO_RECIPE, [f'run_dir="{base}"', "vocab.draft_vocab_size=1000"])
     names = [f"shard-{s:05d}.parquet" for s in range(shards)]
-    path = tokenizer_path(config)
-    tok = load_tokenizer(path)
+    facts = RunFacts.resolve(config)
+    tok = load_tokenizer(facts.tokenizer()[0])
     for name in names:
-        tokenize_shard(config, name, tok, path)
-    run_vocab(config, names)
+        tokenize_shard(facts, name, tok)
+    run_vocab(facts, names)
 
 
 def counts(base: Path, stage: str) -> int:

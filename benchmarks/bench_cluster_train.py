@@ -37,13 +37,14 @@ import results_file  # noqa: E402
 
 
 def timed(config, names) -> dict:
+    from eagle3.run_facts import RunFacts
     from eagle3.train.stage import run_train
 
     run = Path(config.run_dir)
     for sub in ("checkpoints", "train"):
         subprocess.run(["rm", "-rf", str(run / sub)], check=True)
     started = time.perf_counter()
-    run_train(config, names)
+    run_train(RunFacts.resolve(config), names)
     wall = time.perf_counter() - started
     result = json.loads((run / "train" / "result.json").read_text())
     losses = [json.loads(x)["loss"] for x in (run / "train" / "log.jsonl").read_text().splitlines()]

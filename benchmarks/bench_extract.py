@@ -109,9 +109,10 @@ def config_for(target: str, run: Path, extra: list[str] = ()):
 def stage_once(config) -> tuple[float, float, int]:
     """(wall s, process CPU s, bytes written) of one extraction from nothing."""
     from eagle3.extract.stage import extract_shard, plan
+    from eagle3.run_facts import RunFacts
 
     shutil.rmtree(Path(config.run_dir) / "hidden_states", ignore_errors=True)
-    the_plan = plan(config, [SHARD])
+    the_plan = plan(RunFacts.resolve(config), [SHARD])
     cpu, started = time.process_time(), time.perf_counter()
     result = extract_shard(config, SHARD, the_plan)
     wall, cpu = time.perf_counter() - started, time.process_time() - cpu
@@ -148,18 +149,20 @@ def bare_once(extractor, batches) -> tuple[float, float]:
 
 
 def measure(target: str, work: Path, samples: int, rounds: int, fp8: bool, threads: int = 0) -> dict:
-    from eagle3.extract.hf import cached_extractor, num_layers_of
-    from eagle3.extract.stage import model_path, plan
+    from eagle3.extract.hf import cached_extractor
+    from eagle3.extract.stage import plan
+    from eagle3.run_facts import RunFacts
 
     run = work / target
     config = config_for(target, run)
-    path = model_path(config)
-    layers, hidden = num_layers_of(path)
+    facts = RunFacts.resolve(config)
+    path = facts.model_dir()
+    layers, hidden = facts.target_shape()
     from transformers import AutoConfig
 
     lengths = lengths_like_smollm2_run(samples)
     write_tokenized(run, lengths, int(AutoConfig.from_pretrained(path).vocab_size))
-    the_plan = plan(config, [SHARD])
+    the_plan = plan(facts, [SHARD])
     hs = config.extract
     extractor = cached_extractor(path, the_plan.layer_ids, hs.dtype, 0, hs.replicas)
     if threads:  # after the extractor, which sets the stage's own choice
@@ -240,17 +243,18 @@ class _WorkerLines(logging.Handler):
 def measure_vllm(work: Path, samples: int, rounds: int) -> dict:
     """The vLLM backend on the tiny target: the stage against extract_with_vllm alone on the same
     samples (each call starts an engine), ``rounds`` x (bare, stage, bare) after a warm-up call."""
-    from eagle3.extract.stage import _num_layers, model_path, plan
+    from eagle3.extract.stage import plan
     from eagle3.extract.vllm_backend import extract_with_vllm
+    from eagle3.run_facts import RunFacts
 
     run = work / "tiny-vllm"
     config = config_for("tiny", run, ['extract.backend="vllm"'])
     lengths = lengths_like_smollm2_run(samples, seed=1)
     write_tokenized(run, lengths, 4096)
-    the_plan = plan(config, [SHARD])
+    the_plan = plan(RunFacts.resolve(config), [SHARD])
     table = pq.read_table(run / "tokenized" / SHARD, columns=["id", "input_ids"])
     pairs = list(zip(table.column("id").to_pylist(), table.column("input_ids").to_pylist()))
-    layers = [*the_plan.layer_ids, _num_layers(config)]
+    layers = [*the_plan.layer_ids, the_plan.num_layers]
     lines = _WorkerLines()
     logging.getLogger("eagle3").addHandler(lines)
     logging.getLogger("eagle3").setLevel(logging.INFO)
@@ -264,7 +268,7 @@ def measure_vllm(work: Path, samples: int, rounds: int) -> dict:
     def bare() -> dict:
         return timed(
             lambda: extract_with_vllm(
-                config.server.python, model_path(config), layers, pairs, work / "vllm-bare",
+                config.server.python, the_plan.model_path, layers, pairs, work / "vllm-bare",
                 config.extract.timeout_s, env=dict(config.server.env), log=logging.getLogger("eagle3.bench"),
             )
         )  # fmt: skip

@@ -170,10 +170,10 @@ async def _pass(url: str, config, shards: list[Path]) -> list[dict]:
 
 def client_main(url: str, run_dir: Path) -> None:
     """Pass 1 over every shard, then up to SHARD_RETRIES resume passes over the incomplete ones."""
-    from eagle3.run_facts import prepared_shards
+    from eagle3.run_facts import RunFacts
 
     config = _config(run_dir)
-    todo = list(prepared_shards(config))
+    todo = list(RunFacts.resolve(config).prompt_shards())
     passes = []
     for number in range(1, 2 + config.generation.shard_retries):
         started = time.perf_counter()

@@ -57,7 +57,7 @@ async def generate(config, logger) -> dict:
     from eagle3.serving.target import outage_wait_s, replica_events, target_server
 
     gen = config.generation
-    shards = list(run_facts.prepared_shards(config))
+    shards = list(run_facts.RunFacts.resolve(config).prompt_shards())
     parallel = min(gen.shard_parallelism, len(shards))
     per_shard = max(1, gen.concurrency // parallel)
     limit = asyncio.Semaphore(parallel)
@@ -83,7 +83,7 @@ async def generate(config, logger) -> dict:
                     target.template_hash,
                     logger=logger,
                     concurrency=per_shard,
-                    **run_facts.request_plan(config),
+                    **run_facts.RunFacts.resolve(config).request_plan,
                 )
             finally:
                 await pool.close()

@@ -43,6 +43,7 @@ import results_file  # noqa: E402
 from eagle3.config import DEMO_RECIPE, load_config  # noqa: E402
 from eagle3.prepare.stage import run_prepare  # noqa: E402
 from eagle3.records import JsonlAppender  # noqa: E402
+from eagle3.run_facts import RunFacts  # noqa: E402
 from eagle3.tokenize import build  # noqa: E402
 from eagle3.tokenize.build import conversation, render_ids  # noqa: E402
 from eagle3.tokenize.stage import tokenize_shard  # noqa: E402
@@ -104,8 +105,9 @@ def make_run(work: Path, n: int, with_ids: bool, size: str = "short"):
 
 def time_stage_once(config, tok) -> tuple[object, float]:
     shutil.rmtree(Path(config.run_dir) / "tokenized", ignore_errors=True)
+    facts = RunFacts.resolve(config)  # resolved where a run starts, not part of the stage's time
     started = time.perf_counter()
-    result = tokenize_shard(config, "shard-00000.parquet", tok, tokenizer_path(config))
+    result = tokenize_shard(facts, "shard-00000.parquet", tok)
     return result, time.perf_counter() - started
 
 

@@ -103,10 +103,10 @@ async def pipeline(url: str, config, key: str | None = None) -> int:
     append per record (fsync every generation.fsync_every), accounting and the completion marker."""
     from eagle3.generate.shard import generate_shard
     from eagle3.generate.stage import out_dir
-    from eagle3.run_facts import prepared_shards
+    from eagle3.run_facts import RunFacts
     from eagle3.serving.client import EndpointPool
 
-    shards = prepared_shards(config)
+    shards = RunFacts.resolve(config).prompt_shards()
     parallel = min(config.generation.shard_parallelism, len(shards))
     per_shard = max(1, config.generation.concurrency // parallel)
     limit = asyncio.Semaphore(parallel)

@@ -79,6 +79,7 @@ def make_run(work: Path, name: str, samples: int, ttt: int, *sets: str):
 
     import eagle3.extract.stage as extract
     from eagle3.models import resolve_model
+    from eagle3.run_facts import RunFacts
     from extract_runs import make_run as tokenized_run
 
     target, draft, batch_tokens = CONFIGS[name]
@@ -94,7 +95,7 @@ def make_run(work: Path, name: str, samples: int, ttt: int, *sets: str):
         "train.eval_every_steps=100000",
         *sets,
     )
-    the_plan = extract.plan(config, names)
+    the_plan = extract.plan(RunFacts.resolve(config), names)
     if target == "tiny":
         folder, vocab = resolve_model("tiny:qwen3"), 4096
         d2t, t2d = np.zeros(draft, dtype=np.int64), np.ones(vocab, dtype=bool)

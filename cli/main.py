@@ -188,10 +188,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     _prefect_defaults()
     import asyncio
 
+    from eagle3.run_facts import RunFacts
     from flows.pipeline import pipeline_flow
 
+    facts = RunFacts.resolve(config)  # once, after the preflight fetched what the run reads
     with _progress(args):
-        results = asyncio.run(pipeline_flow(config))
+        results = asyncio.run(pipeline_flow(config, facts))
     print(_summary(config, results))
     return 0
 
@@ -212,15 +214,18 @@ def cmd_stage(args: argparse.Namespace) -> int:
     _prefect_defaults()
     stage = stages.get(args.command)
     _preflight(config, stage.name)
+    from eagle3.run_facts import RunFacts
+
+    facts = RunFacts.resolve(config)  # once, after the preflight fetched what the stage reads
     if stage.precheck:  # its inputs exist already: check them before any flow run is recorded
-        stages.resolve(stage.precheck)(config)
+        stages.resolve(stage.precheck)(facts)
     import asyncio
     import inspect
 
     from eagle3 import progress
 
     with _progress(args):
-        outcome = stages.resolve(stage.flow)(config)
+        outcome = stages.resolve(stage.flow)(config, facts)
         results = {stage.name: asyncio.run(outcome) if inspect.isawaitable(outcome) else outcome}
         progress.finish(stage.name)
     print(_summary(config, results))

@@ -14,7 +14,7 @@ Two questions, two axes:
   "an input is missing" error; it names the stage, the path and what to run first.
 
 An error that modules of two packages raise lives here too, below both (``TrainFailed``: the train
-stage and the cluster's training job).
+stage and the cluster's training job; ``LayerIdError``: the run's facts, extraction and export).
 
 No imports beyond the standard library: the CLI and ``tasks/`` load this without torch.
 """
@@ -63,6 +63,10 @@ class MissingInputError(InputError):
 
     def __str__(self) -> str:
         return f"{self.stage}: {self.path} {self.problem}: {self.hint}"
+
+
+class LayerIdError(UserError, ValueError):
+    """Layer ids that do not fit the target (extract.layer_ids, or a target too shallow for the defaults)."""
 
 
 class TrainFailed(TransientError, RuntimeError):

@@ -26,7 +26,7 @@ import re
 import threading
 from pathlib import Path
 
-from eagle3.errors import TransientError, UserError
+from eagle3.errors import LayerIdError, TransientError, UserError
 
 TINY_PREFIX = "tiny:"
 
@@ -62,6 +62,19 @@ def resolve_model(spec: str) -> str:
         return spec
     repo_id, revision = parse_hub_id(spec)
     return str(hub_snapshot(repo_id, revision))
+
+
+def local_model(spec: str) -> str | None:
+    """The local folder ``spec`` names without any network call: a folder, a tiny build (built on
+    first use), a hub id already in the cache; None for a hub id the cache lacks and for a name that
+    is no model we could find (an external server's own name: ``resolve_model`` says why when asked)."""
+    if spec.startswith(TINY_PREFIX) or Path(spec).expanduser().is_dir():
+        return resolve_model(spec)
+    if not is_hub_id(spec):
+        return None
+    repo_id, revision = parse_hub_id(spec)
+    cached = cached_snapshot(repo_id, revision)
+    return None if cached is None else str(cached)
 
 
 def is_hub_id(spec: str) -> bool:
@@ -225,3 +238,57 @@ def vllm_args(server, model_path: str) -> list[str]:
         if parser:
             args += ["--reasoning-parser", parser]
     return args
+
+
+# -- the target's shape and the layers an EAGLE-3 drafter taps -------------------------------------
+
+
+def declared_shape(model_path: str) -> tuple[int, int] | None:
+    """(num_hidden_layers, hidden_size) from a model folder's config.json (its ``text_config`` for a
+    multimodal model), read as a file: None when the folder or the keys are missing."""
+    path = Path(model_path) / "config.json"
+    if not path.is_file():
+        return None
+    config = json.loads(path.read_text(encoding="utf-8"))
+    text = config.get("text_config") or config
+    layers, hidden = text.get("num_hidden_layers"), text.get("hidden_size")
+    return (int(layers), int(hidden)) if isinstance(layers, int) and isinstance(hidden, int) else None
+
+
+def target_shape(model_path: str) -> tuple[int, int]:
+    """(num_hidden_layers, hidden_size) of the target, from its config alone (no weights loaded):
+    config.json as a file, else transformers' reading of it (configs that name the keys otherwise)."""
+    shape = declared_shape(model_path)
+    if shape is not None:
+        return shape
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(text.num_hidden_layers), int(text.hidden_size)
+
+
+def default_layer_ids(num_layers: int) -> list[int]:
+    """vLLM's EAGLE-3 default (2, L//2, L-3) where those are three distinct layers, else
+    (1, L//2, L-1): for a 4-layer target vLLM's choice collapses to two layers."""
+    ids = [2, num_layers // 2, num_layers - 3]
+    if len(set(ids)) == 3 and min(ids) >= 1:
+        return ids
+    ids = [1, num_layers // 2, num_layers - 1]
+    if len(set(ids)) != 3 or min(ids) < 1:
+        raise LayerIdError(
+            f"a target with {num_layers} layers has no three distinct auxiliary layers; set extract.layer_ids"
+        )
+    return ids
+
+
+def resolve_layer_ids(configured: list[int] | None, num_layers: int) -> list[int]:
+    """The tapped layers: ``extract.layer_ids`` when set (checked against the target), else the default."""
+    ids = list(configured) if configured else default_layer_ids(num_layers)
+    bad = [i for i in ids if not 1 <= i <= num_layers]
+    if bad:
+        raise LayerIdError(
+            f"extract.layer_ids {ids}: {bad} outside 1..{num_layers} (the target has {num_layers} decoder "
+            "layers; vLLM numbering)"
+        )
+    return ids

@@ -28,14 +28,14 @@ class Stage:
     outputs_doc: str  # what a person finds there (the report's "where everything is")
     marker: str | None  # glob of its completion marker(s) under the run directory; None: it reruns whole
     package: str  # the library package that does the work (no Prefect in it)
-    flow: str  # "module:function" of its Prefect flow; resolved only by flows/ and the CLI
+    flow: str  # "module:function(config, facts)" of its Prefect flow; resolved only by flows/ and the CLI
     summary_line: str  # "module:function(entry, run_dir) -> str | None", the CLI's end-of-run line
     records: tuple[str, ...] = ()  # manifest entries it writes, in report order (default: its name)
     nightly: bool = False  # part of the eagle3-regenerate flow
     # Whether the target's model files must be on disk before it starts: "always"; "managed" (only
     # when it starts the target's server itself); "never".
     reads_model: Literal["always", "managed", "never"] = "always"
-    precheck: str | None = None  # "module:function(config)" the CLI runs before a flow run is recorded
+    precheck: str | None = None  # "module:function(facts)" the CLI runs before a flow run is recorded
     result: str = "eagle3.results:StageResult"  # "module:Class" of its typed result (its manifest entry)
 
     @property

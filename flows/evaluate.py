@@ -6,6 +6,7 @@ from __future__ import annotations
 from prefect import flow
 
 from eagle3.config import PipelineConfig
+from eagle3.run_facts import RunFacts
 from tasks.evaluate import evaluate_task
 
 
@@ -16,5 +17,6 @@ from tasks.evaluate import evaluate_task
         "drafter; measure decode tokens/s and acceptance on labelled prompt sets per temperature and concurrency."
     ),
 )
-def evaluate_flow(config: PipelineConfig = PipelineConfig()) -> dict:
+def evaluate_flow(config: PipelineConfig = PipelineConfig(), facts: RunFacts | None = None) -> dict:
+    RunFacts.of(config, facts)  # the stage reads only its own folders and the config; foreign facts are refused
     return evaluate_task(config)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from prefect import flow
 
 from eagle3.config import PipelineConfig
+from eagle3.run_facts import RunFacts
 from tasks.export import export_task
 
 
@@ -15,5 +16,6 @@ from tasks.export import export_task
         "the target."
     ),
 )
-def export_flow(config: PipelineConfig = PipelineConfig()) -> dict:
+def export_flow(config: PipelineConfig = PipelineConfig(), facts: RunFacts | None = None) -> dict:
+    RunFacts.of(config, facts)  # the stage reads only its own folders and the config; foreign facts are refused
     return export_task(config)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from prefect import flow
 
 from eagle3.config import PipelineConfig
+from eagle3.run_facts import RunFacts
 from tasks.extract import extract_shard_task, extract_summary_task, online_task, plan_task
-from tasks.tokenize import shard_names
 
 
 @flow(
@@ -15,11 +15,12 @@ from tasks.tokenize import shard_names
         "The target's auxiliary and last-layer hidden states for every tokenized sample (bf16 safetensors per shard)."
     ),
 )
-def extract_flow(config: PipelineConfig = PipelineConfig()) -> dict:
-    shards = shard_names(config)
-    the_plan = plan_task(config, shards)
+def extract_flow(config: PipelineConfig = PipelineConfig(), facts: RunFacts | None = None) -> dict:
+    facts = RunFacts.of(config, facts)
+    shards = facts.shard_names("extract")
+    the_plan = plan_task(facts, shards)
     if config.extract.mode == "online":
-        return online_task(config, shards, the_plan)
+        return online_task(facts, shards, the_plan)
     if config.cluster.runs("extract"):
         from flows.cluster import run_shards
 

@@ -11,7 +11,7 @@ from eagle3.config import PipelineConfig
 from eagle3.durable import DiskWriteError
 from eagle3.generate import stage
 from eagle3.generate.shard import is_complete
-from eagle3.run_facts import expected_target, prepared_shards, request_plan
+from eagle3.run_facts import RunFacts
 from eagle3.schemas import SchemaError
 from eagle3.serving.target import outage_allowance_s, target_server
 from tasks.generate import generate_shard_task, generate_summary_task
@@ -24,15 +24,16 @@ async def _bounded(limit: asyncio.Semaphore, make):
 
 
 @flow(name="eagle3-generate", description="Regenerate every prompt's answer with the target, durably and resumably.")
-async def generate_flow(config: PipelineConfig = PipelineConfig()) -> dict:
+async def generate_flow(config: PipelineConfig = PipelineConfig(), facts: RunFacts | None = None) -> dict:
+    facts = RunFacts.of(config, facts)
     gen = config.generation
-    shards = prepared_shards(config)
+    shards = facts.prompt_shards()
     parallel = min(gen.shard_parallelism, len(shards))
     per_shard = max(1, gen.concurrency // parallel)
     limit = asyncio.Semaphore(parallel)
-    model, template = expected_target(config)
+    model, template = facts.expected_target()
     out = stage.out_dir(config)
-    plan = request_plan(config)
+    plan = facts.request_plan
     if shards and all(is_complete(s, out, gen, model, template, **plan) for s in shards):
         # A nightly run with no new or changed prompt: no server start, no request.
         get_run_logger().info(
@@ -51,7 +52,7 @@ async def generate_flow(config: PipelineConfig = PipelineConfig()) -> dict:
                     retry_delay_seconds=gen.shard_retry_delay_s,
                     retry_condition_fn=unless_permanent,
                 ),
-                (config, str(s), target, per_shard),
+                (facts, str(s), target, per_shard),
             )
             for s, rows in shards.items()
         ]

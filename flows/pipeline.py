@@ -1,6 +1,8 @@
 """Flow ``eagle3-pipeline``: every stage of ``eagle3.stages``, in order, as subflows, then the run report.
 
-Each stage also runs alone through its own flow (``eagle3 STAGE``, or its deployment).
+The run's facts (eagle3/run_facts.py) are resolved once here, unless the caller (the CLI) resolved
+them, and each stage's flow gets them as its ``facts`` parameter. Each stage also runs alone through
+its own flow (``eagle3 STAGE``, or its deployment), which then resolves them itself.
 """
 
 from __future__ import annotations
@@ -13,14 +15,15 @@ from prefect.runtime import flow_run
 
 from eagle3 import progress, stages
 from eagle3.config import PipelineConfig
+from eagle3.run_facts import RunFacts
 from tasks.report import report_task
 
 
-async def run_stages(config: PipelineConfig, todo: tuple[stages.Stage, ...]) -> dict:
-    """Each stage's flow in order (awaited when it is async); its result under its name."""
+async def run_stages(config: PipelineConfig, todo: tuple[stages.Stage, ...], facts: RunFacts) -> dict:
+    """Each stage's flow in order, given the run's facts (awaited when it is async); its result under its name."""
     results: dict = {}
     for stage in todo:
-        outcome = stages.resolve(stage.flow)(config)
+        outcome = stages.resolve(stage.flow)(config, facts)
         results[stage.name] = await outcome if inspect.isawaitable(outcome) else outcome
         progress.finish(stage.name)
     return results
@@ -43,12 +46,12 @@ def run_name() -> str:
     flow_run_name=run_name,
     description="Prompts to a trained, exported and live-evaluated EAGLE-3 drafter.",
 )
-async def pipeline_flow(config: PipelineConfig = PipelineConfig()) -> dict:
+async def pipeline_flow(config: PipelineConfig = PipelineConfig(), facts: RunFacts | None = None) -> dict:
     from eagle3.cluster import precheck
     from eagle3.reasoning import check_config
 
     check_config(config)  # a reasoning mode the chat template cannot express fails before any stage runs
     precheck(config, [s.name for s in stages.STAGES])  # so does a cluster address nobody answers at
-    results = await run_stages(config, stages.STAGES)
+    results = await run_stages(config, stages.STAGES, RunFacts.of(config, facts))
     results["report"] = report_task(config)
     return results

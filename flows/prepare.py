@@ -14,6 +14,7 @@ from eagle3.config import PipelineConfig
 from eagle3.layout import RunLayout
 from eagle3.prepare.self_prompts import Plan, is_self_source, marker_current
 from eagle3.prepare.stage import PrepareResult
+from eagle3.run_facts import RunFacts
 from eagle3.serving.target import target_server
 from tasks.prepare import prepare_task, self_prompts_plan_task, self_prompts_task
 
@@ -29,7 +30,8 @@ async def _written_by_target(config: PipelineConfig, plan: Plan) -> dict | None:
     name="eagle3-prepare",
     description="Load, normalise, de-duplicate and shard the prompts (or have the target write them).",
 )
-def prepare_flow(config: PipelineConfig = PipelineConfig()) -> PrepareResult:
+def prepare_flow(config: PipelineConfig = PipelineConfig(), facts: RunFacts | None = None) -> PrepareResult:
+    RunFacts.of(config, facts)  # prepare reads the config alone (its self-prompt plan, the target's template)
     if is_self_source(config.data.source):
         plan = self_prompts_plan_task(config)
         if marker_current(config, plan) is None:

@@ -6,14 +6,16 @@ from prefect import flow
 
 from eagle3.config import PipelineConfig
 from eagle3.progress import report
-from tasks.tokenize import shard_names, tokenize_shard_task, tokenize_summary_task
+from eagle3.run_facts import RunFacts
+from tasks.tokenize import tokenize_shard_task, tokenize_summary_task
 
 
 @flow(name="eagle3-tokenize", description="Input ids and loss masks per generation shard, as Parquet.")
-def tokenize_flow(config: PipelineConfig = PipelineConfig()) -> dict:
+def tokenize_flow(config: PipelineConfig = PipelineConfig(), facts: RunFacts | None = None) -> dict:
+    facts = RunFacts.of(config, facts)
     calls = [
-        (tokenize_shard_task.with_options(name=f"tokenize-{s.removesuffix('.parquet')}"), (config, s))
-        for s in shard_names(config)
+        (tokenize_shard_task.with_options(name=f"tokenize-{s.removesuffix('.parquet')}"), (facts, s))
+        for s in facts.shard_names("tokenize")
     ]
     if config.cluster.runs("tokenize"):
         from flows.cluster import run_shards
@@ -25,4 +27,4 @@ def tokenize_flow(config: PipelineConfig = PipelineConfig()) -> dict:
             report("tokenize", "shards", len(results), len(calls), unit="shards")
             results.append(task(*args))
     report("tokenize", "shards", len(results), len(calls), unit="shards")
-    return tokenize_summary_task(config, results)
+    return tokenize_summary_task(facts, results)

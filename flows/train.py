@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import flow
 
 from eagle3.config import PipelineConfig
-from tasks.tokenize import shard_names
+from eagle3.run_facts import RunFacts
 from tasks.train import train_report_task, train_task
 
 
@@ -13,6 +13,7 @@ from tasks.train import train_report_task, train_task
     name="eagle3-train",
     description="Train the EAGLE-3 drafter (torchrun: DDP or FSDP; resumes from its last checkpoint).",
 )
-def train_flow(config: PipelineConfig = PipelineConfig()) -> dict:
-    entry = train_task(config, shard_names(config))
+def train_flow(config: PipelineConfig = PipelineConfig(), facts: RunFacts | None = None) -> dict:
+    facts = RunFacts.of(config, facts)
+    entry = train_task(facts, facts.shard_names("train"))
     return train_report_task(config, entry)

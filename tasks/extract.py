@@ -12,16 +12,17 @@ from prefect.cache_policies import NO_CACHE
 from eagle3.cluster import enter_workdir
 from eagle3.config import PipelineConfig
 from eagle3.progress import report
+from eagle3.run_facts import RunFacts
 from tasks.retry import unless_permanent
 
 
 # Disk markers keyed on the tokenized shard's hash, the model, layer ids, dtype and backend decide what is done.
 @task(name="extract-plan", cache_policy=NO_CACHE)
-def plan_task(config: PipelineConfig, shards: list[str]):
+def plan_task(facts: RunFacts, shards: list[str]):
     from eagle3.extract.stage import check_disk, plan
 
-    the_plan = plan(config, shards)
-    check_disk(config, the_plan)
+    the_plan = plan(facts, shards)
+    check_disk(facts.config, the_plan)
     todo = [s for s, done in the_plan.done.items() if not done]
     get_run_logger().info(
         "extract: layer ids %s, hidden size %d; %d of %d shards to extract (%.2f GiB)",
@@ -75,11 +76,11 @@ def extract_summary_task(config: PipelineConfig, results: list, the_plan) -> dic
 
 
 @task(name="extract-online", cache_policy=NO_CACHE)
-def online_task(config: PipelineConfig, shards: list[str], the_plan) -> dict:
+def online_task(facts: RunFacts, shards: list[str], the_plan) -> dict:
     from eagle3.extract.stage import online_results, record, write_online
 
-    settings = write_online(config, the_plan, shards)
+    settings = write_online(facts.config, the_plan, shards)
     get_run_logger().info(
         "extract: online mode, nothing stored; training extracts layers %s per batch", settings["layer_ids"]
     )
-    return record(config, online_results(config, shards, the_plan), the_plan)
+    return record(facts.config, online_results(facts, shards, the_plan), the_plan)

@@ -16,7 +16,7 @@ from eagle3.errors import TransientError
 from eagle3.generate import stage
 from eagle3.generate.shard import ShardResult, generate_shard
 from eagle3.progress import report
-from eagle3.run_facts import request_plan
+from eagle3.run_facts import RunFacts
 from eagle3.serving.client import EndpointPool, deadline_s
 from eagle3.serving.target import Target, outage_wait_s, replica_events
 
@@ -37,8 +37,9 @@ def _progress_line(name: str, s: dict) -> str:
 # Prefect's cache is off: a cached result could claim a shard whose files were deleted.
 # Retries and their delay are set per run from generation.shard_retries / shard_retry_delay_s.
 @task(name="generate-shard", cache_policy=NO_CACHE)
-async def generate_shard_task(config: PipelineConfig, shard: str, target: Target, concurrency: int) -> ShardResult:
+async def generate_shard_task(facts: RunFacts, shard: str, target: Target, concurrency: int) -> ShardResult:
     logger = get_run_logger()
+    config = facts.config
     gen = config.generation
     artifact = await acreate_progress_artifact(progress=0.0, description=f"generate {Path(shard).name}")
     pending: set[asyncio.Task] = set()
@@ -73,7 +74,7 @@ async def generate_shard_task(config: PipelineConfig, shard: str, target: Target
             logger=logger,
             progress=progress,
             concurrency=concurrency,
-            **request_plan(config),
+            **facts.request_plan,
         )
     finally:
         await pool.close()

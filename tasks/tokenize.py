@@ -1,35 +1,32 @@
-"""Prefect tasks for stages ``tokenize`` (one per shard) and ``vocab``."""
+"""Prefect tasks for stage ``tokenize``: one per shard, then the summary. The tokenizer and the
+shard list come from the run's facts (eagle3/run_facts.py), resolved where the run started."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from eagle3.cluster import enter_workdir
-from eagle3.config import PipelineConfig
+from eagle3.run_facts import RunFacts
 from tasks.retry import unless_permanent
 
 
 # Disk markers (keyed on input hashes, tokenizer and settings) decide what is done.
 @task(name="tokenize-shard", cache_policy=NO_CACHE, retries=1, retry_condition_fn=unless_permanent)
-def tokenize_shard_task(config: PipelineConfig, shard: str):
+def tokenize_shard_task(facts: RunFacts, shard: str):
     from eagle3.tokenize.stage import tokenize_shard
-    from eagle3.tokenizer import load_tokenizer, tokenizer_path
+    from eagle3.tokenizer import load_tokenizer
 
     enter_workdir()
-    path = tokenizer_path(config)
-    return tokenize_shard(config, shard, load_tokenizer(path), path, logger=get_run_logger())
+    return tokenize_shard(facts, shard, load_tokenizer(facts.tokenizer()[0]), logger=get_run_logger())
 
 
 @task(name="tokenize-summary", cache_policy=NO_CACHE)
-def tokenize_summary_task(config: PipelineConfig, results: list) -> dict:
+def tokenize_summary_task(facts: RunFacts, results: list) -> dict:
     from eagle3.tokenize.stage import record
-    from eagle3.tokenizer import tokenizer_path
 
-    entry = record(config, results, tokenizer_path(config))
+    entry = record(facts, results)
     rows = [
         {
             "shard": r.shard,
@@ -49,9 +46,3 @@ def tokenize_summary_task(config: PipelineConfig, results: list) -> dict:
         description=f"tokenize: {entry['ok']} rows, {entry['supervised_tokens']} supervised tokens",
     )
     return entry
-
-
-def shard_names(config: PipelineConfig) -> list[str]:
-    from eagle3.run_facts import prepared_shards
-
-    return [Path(s).name for s in prepared_shards(config)]

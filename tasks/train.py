@@ -22,13 +22,14 @@ from prefect.cache_policies import NO_CACHE
 from eagle3.config import PipelineConfig
 from eagle3.layout import RunLayout
 from eagle3.progress import report
+from eagle3.run_facts import RunFacts
 from tasks.retry import unless_permanent
 
 
 @task(
     name="train-drafter", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=10, retry_condition_fn=unless_permanent
 )
-def train_task(config: PipelineConfig, shards: list[str]) -> dict:
+def train_task(facts: RunFacts, shards: list[str]) -> dict:
     """A retry resumes from the last checkpoint (the worker reads checkpoints/latest.json)."""
     from eagle3.train.stage import STEP_LINE, run_train
 
@@ -40,7 +41,7 @@ def train_task(config: PipelineConfig, shards: list[str]) -> dict:
             update_progress_artifact(artifact, 100.0 * int(match.group(1)) / int(match.group(2)))
             report("train", "all", int(match.group(1)), int(match.group(2)), unit="steps")
 
-    entry = run_train(config, shards, logger=get_run_logger(), on_line=progress)
+    entry = run_train(facts, shards, logger=get_run_logger(), on_line=progress)
     update_progress_artifact(artifact, 100.0)
     return entry
 

@@ -6,14 +6,14 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from eagle3.config import PipelineConfig
+from eagle3.run_facts import RunFacts
 
 
 @task(name="draft-vocab", cache_policy=NO_CACHE)
-def vocab_task(config: PipelineConfig, shards: list[str]) -> dict:
+def vocab_task(facts: RunFacts, shards: list[str]) -> dict:
     from eagle3.vocab.stage import run_vocab
 
-    entry = run_vocab(config, shards, logger=get_run_logger())
+    entry = run_vocab(facts, shards, logger=get_run_logger())
     create_markdown_artifact(
         key="draft-vocab",
         markdown=(

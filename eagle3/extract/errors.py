@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from eagle3.errors import InputError, MissingInputError, UserError
+from eagle3.errors import InputError, LayerIdError, MissingInputError, UserError
+
+__all__ = ["DiskSpaceError", "ExtractInputError", "LayerIdError", "StatesError"]
 
 # The stage's inputs (tokenized shards) are missing or not what the tokenize stage wrote.
 ExtractInputError = MissingInputError
@@ -10,10 +12,6 @@ ExtractInputError = MissingInputError
 
 class DiskSpaceError(UserError, RuntimeError):
     """Not enough free disk for the states this run would store."""
-
-
-class LayerIdError(UserError, ValueError):
-    """Layer ids that do not fit the target."""
 
 
 class StatesError(InputError, ValueError):

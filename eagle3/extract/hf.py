@@ -24,41 +24,12 @@ from pathlib import Path
 
 import torch
 
-from eagle3.extract.errors import LayerIdError
+from eagle3.models import resolve_layer_ids, target_shape
 
 
 def num_layers_of(model_path: str) -> tuple[int, int]:
     """(num_hidden_layers, hidden_size) of the target, from its config alone (no weights loaded)."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_path)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return int(text.num_hidden_layers), int(text.hidden_size)
-
-
-def default_layer_ids(num_layers: int) -> list[int]:
-    """vLLM's EAGLE-3 default (2, L//2, L-3) where those are three distinct layers, else
-    (1, L//2, L-1): for a 4-layer target vLLM's choice collapses to two layers."""
-    ids = [2, num_layers // 2, num_layers - 3]
-    if len(set(ids)) == 3 and min(ids) >= 1:
-        return ids
-    ids = [1, num_layers // 2, num_layers - 1]
-    if len(set(ids)) != 3 or min(ids) < 1:
-        raise LayerIdError(
-            f"a target with {num_layers} layers has no three distinct auxiliary layers; set extract.layer_ids"
-        )
-    return ids
-
-
-def resolve_layer_ids(configured: list[int] | None, num_layers: int) -> list[int]:
-    ids = list(configured) if configured else default_layer_ids(num_layers)
-    bad = [i for i in ids if not 1 <= i <= num_layers]
-    if bad:
-        raise LayerIdError(
-            f"extract.layer_ids {ids}: {bad} outside 1..{num_layers} (the target has {num_layers} decoder "
-            "layers; vLLM numbering)"
-        )
-    return ids
+    return target_shape(model_path)
 
 
 def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:

@@ -40,8 +40,7 @@ from eagle3.extract.errors import DiskSpaceError, StatesError
 from eagle3.extract.store import StatesWriter, states_bytes, token_bytes
 from eagle3.layout import RunLayout
 from eagle3.markers import Marker, read_marker, remove_marker, write_marker
-from eagle3.run_facts import prepared_shards, read_tokenized_done
-from eagle3.tokenizer import tokenizer_path
+from eagle3.run_facts import RunFacts, read_tokenized_done
 
 STAGE = "extract"
 DISK_MARGIN = 1.02  # headers, index files and filesystem slack on top of the tensors themselves
@@ -56,12 +55,6 @@ class ExtractResult:
     tokens: int
     seconds: float
     skipped: bool
-
-
-def model_path(config: PipelineConfig) -> str:
-    from eagle3.models import resolve_model
-
-    return resolve_model(config.server.model)
 
 
 def _paths(run_dir: Path, shard: str) -> dict[str, Path]:
@@ -114,7 +107,8 @@ def _tokenized(p: dict, shard: str) -> tuple[list[str], list[np.ndarray]]:
 
 @dataclass(frozen=True)
 class Plan:
-    """Per shard: its key and whether its states are already complete on disk."""
+    """Per shard: its key and whether its states are already complete on disk; with the run's facts
+    the shard tasks need (the target's folder and depth), so a task never resolves them again."""
 
     layer_ids: list[int]
     hidden_size: int
@@ -123,6 +117,8 @@ class Plan:
     done: dict[str, bool]
     tokens: dict[str, int]
     storage: str = "bfloat16"
+    model_path: str = ""
+    num_layers: int = 0
 
     @property
     def bytes_needed(self) -> int:
@@ -130,29 +126,21 @@ class Plan:
         return int(states_bytes(todo, self.hidden_size, self.storage) * DISK_MARGIN)
 
 
-def plan(config: PipelineConfig, shards: list[str]) -> Plan:
-    """Layer ids, keys and the disk bill, from the tokenized markers and the model's config.
-    Every shard is checked first (its hash, its columns, the tokenizer it was made with), so a
-    bad input stops the stage before any forward pass."""
-    from eagle3.extract.hf import model_fingerprint, num_layers_of, resolve_layer_ids
-    from eagle3.schemas import (
-        TOKENIZED_IDS,
-        TOKENIZED_INPUT_IDS,
-        TOKENIZED_NUM_TOKENS,
-        check_schema,
-        check_tokenizer,
-        tokenizer_hash,
-    )
+def plan(facts: RunFacts, shards: list[str]) -> Plan:
+    """Layer ids, keys and the disk bill, from the tokenized markers and the run's facts (the target,
+    its tapped layers, the tokenizer). Every shard is checked first (its hash, its columns, the
+    tokenizer it was made with), so a bad input stops the stage before any forward pass."""
+    from eagle3.extract.hf import model_fingerprint
+    from eagle3.schemas import TOKENIZED_IDS, TOKENIZED_INPUT_IDS, TOKENIZED_NUM_TOKENS, check_schema, check_tokenizer
 
-    path, tok_path = model_path(config), tokenizer_path(config)
-    tok_hash = tokenizer_hash(tok_path)
-    layers, hidden = num_layers_of(path)
-    layer_ids = resolve_layer_ids(config.extract.layer_ids, layers)
+    config, path, (tok_path, tok_hash) = facts.config, facts.model_dir(), facts.tokenizer()
+    layers, hidden = facts.target_shape()
+    layer_ids = facts.layer_ids
     fingerprint = model_fingerprint(path)
     keys, done, tokens = {}, {}, {}
     for shard in shards:
-        p = _paths(Path(config.run_dir), shard)
-        marker = _tokenized_marker(p, shard)
+        p = _paths(facts.layout.root, shard)
+        marker = facts.tokenized_marker(shard, STAGE)
         if not p["tokenized"].exists() or sha256_file(p["tokenized"]) != marker["parquet_sha256"]:
             problem = (
                 f"is missing or differs from what the tokenize stage wrote (its hash is in {p['tok_done'].name}): "
@@ -164,7 +152,7 @@ def plan(config: PipelineConfig, shards: list[str]) -> Plan:
         keys[shard] = _key(config, marker["parquet_sha256"], fingerprint, layer_ids)
         tokens[shard] = int(marker["result"]["tokens"])
         done[shard] = _is_done(p, keys[shard])
-    return Plan(layer_ids, hidden, fingerprint, keys, done, tokens, config.extract.storage_dtype)
+    return Plan(layer_ids, hidden, fingerprint, keys, done, tokens, config.extract.storage_dtype, path, layers)
 
 
 def _is_done(p: dict, key: str) -> bool:
@@ -282,7 +270,7 @@ def _fill_with_hf(
     from eagle3.extract.hf import cached_extractor
 
     hs = config.extract
-    extractor = cached_extractor(model_path(config), the_plan.layer_ids, hs.dtype, replica, hs.replicas)
+    extractor = cached_extractor(the_plan.model_path, the_plan.layer_ids, hs.dtype, replica, hs.replicas)
     done, last_log, total = 0, time.monotonic(), len(seqs)
 
     def store(batch, aux, last) -> int:
@@ -348,7 +336,7 @@ def _fill_with_vllm(config, shard: str, ids, seqs, the_plan: Plan, writer: State
     from eagle3.extract.vllm_backend import stream_with_vllm
 
     hs = config.extract
-    layers = [*the_plan.layer_ids, _num_layers(config)]
+    layers = [*the_plan.layer_ids, the_plan.num_layers]
     work = RunLayout.of(config).vllm_work(shard)
     chunks, current, tokens = [], 0, 0
     for seq in seqs:
@@ -362,7 +350,7 @@ def _fill_with_vllm(config, shard: str, ids, seqs, the_plan: Plan, writer: State
     work.mkdir(parents=True, exist_ok=True)
     stream = stream_with_vllm(
         config.server.python or sys.executable,
-        model_path(config),
+        the_plan.model_path,
         layers,
         list(zip(ids, seqs)),
         chunks,
@@ -386,12 +374,6 @@ def _fill_with_vllm(config, shard: str, ids, seqs, the_plan: Plan, writer: State
     finally:
         stream.close()  # a failure here stops the worker now, not when the traceback lets go of the stream
         remove_inside(work, config.run_dir, ignore_errors=True)
-
-
-def _num_layers(config: PipelineConfig) -> int:
-    from eagle3.extract.hf import num_layers_of
-
-    return num_layers_of(model_path(config))[0]
 
 
 def write_online(config: PipelineConfig, the_plan: Plan, shards: list[str]) -> dict:
@@ -431,19 +413,18 @@ def record(config: PipelineConfig, results: list[ExtractResult], the_plan: Plan)
     )
 
 
-def online_results(config: PipelineConfig, shards: list[str], the_plan: Plan) -> list[ExtractResult]:
+def online_results(facts: RunFacts, shards: list[str], the_plan: Plan) -> list[ExtractResult]:
     """Online mode's accounting: every tokenized row will get its states inside training."""
     out = []
     for shard in shards:
-        p = _paths(Path(config.run_dir), shard)
-        rows = int(_tokenized_marker(p, shard)["result"]["ok"])
+        rows = int(facts.tokenized_marker(shard, STAGE)["result"]["ok"])
         out.append(ExtractResult(shard, "", rows, rows, the_plan.tokens[shard], 0.0, False))
     return out
 
 
-def precheck(config: PipelineConfig) -> None:
+def precheck(facts: RunFacts) -> None:
     """Before a flow run is recorded: the tokenized inputs exist and match, and the disk holds the states."""
-    check_disk(config, plan(config, [Path(s).name for s in prepared_shards(config)]))
+    check_disk(facts.config, plan(facts, facts.shard_names(STAGE)))
 
 
 def summary_line(entry: dict, run_dir: str | Path) -> str:

@@ -41,8 +41,8 @@ from eagle3.layout import RunLayout
 from eagle3.markers import read_marker, remove_marker, write_marker
 from eagle3.reasoning import key_parts, template_kwargs
 from eagle3.records import read_records
-from eagle3.run_facts import expected_target, read_tokenized_done, request_plan
-from eagle3.schemas import PROMPT_COLUMNS, check_schema, tokenizer_hash
+from eagle3.run_facts import RunFacts
+from eagle3.schemas import PROMPT_COLUMNS, check_schema
 from eagle3.tokenize.build import (
     RowError,
     Sample,
@@ -53,7 +53,7 @@ from eagle3.tokenize.build import (
     has_ids,
 )
 from eagle3.tokenize.rows import SourceTally, messages_of, server_sample
-from eagle3.tokenizer import target_vocab_size
+from eagle3.tokenizer import target_vocab_size, tokenizer_fingerprint
 
 SCHEMA = pa.schema(
     [
@@ -94,15 +94,6 @@ class TokenizeResult:
     per_source: dict = field(default_factory=dict)  # mixed runs: rows and tokens per source
 
 
-def tokenizer_fingerprint(path: str) -> str:
-    folder = Path(path)
-    digest = hashlib.sha256(path.encode() if not folder.is_dir() else b"")
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json"):
-        if (folder / name).exists():
-            digest.update(name.encode() + sha256_file(folder / name).encode())
-    return digest.hexdigest()[:16]
-
-
 def _paths(run_dir: Path, shard: str) -> dict[str, Path]:
     layout = RunLayout.of(run_dir)
     gen = layout.generation(shard)
@@ -115,16 +106,16 @@ def _paths(run_dir: Path, shard: str) -> dict[str, Path]:
     }
 
 
-def _check_generation_settings(config: PipelineConfig, p: dict, shard: str) -> None:
+def _check_generation_settings(facts: RunFacts, p: dict, shard: str) -> None:
     """Records made by another model, sampling or chat template than the config's are refused by name."""
     from eagle3.generate.shard import STAGE as GENERATE, generation_key
 
     made = read_marker(p["gen_done"], GENERATE).key
     if made is None:
         return
-    model, template = expected_target(config)
-    gen = config.generation
-    if made != generation_key(model, gen, template, **request_plan(config)):
+    model, template = facts.expected_target()
+    gen = facts.config.generation
+    if made != generation_key(model, gen, template, **facts.request_plan):
         meta = read_json(p["gen_meta"]) if p["gen_meta"].exists() else {}
         problem = (
             f"was made by model {meta.get('model', '?')!r} with sampling {meta.get('sampling', '?')}, but the "
@@ -315,17 +306,19 @@ def _save_outputs(p: dict, acc: _Acc) -> None:
         atomic_write_lines(p["rejected"], acc.rejected)
 
 
-def tokenize_shard(config: PipelineConfig, shard: str, tokenizer, tok_path: str, logger=None) -> TokenizeResult:
-    """Tokenize one generation shard; skipped when its marker matches the inputs and settings."""
+def tokenize_shard(facts: RunFacts, shard: str, tokenizer, logger=None) -> TokenizeResult:
+    """Tokenize one generation shard with ``tokenizer`` (loaded from the run's tokenizer folder);
+    skipped when its marker matches the inputs and settings."""
     log = logger or logging.getLogger(__name__)
-    p = _paths(Path(config.run_dir), shard)
+    config, (tok_path, tok_hash) = facts.config, facts.tokenizer()
+    p = _paths(facts.layout.root, shard)
     if not p["gen_done"].exists():
         problem = f"not found: shard {shard} has not finished generating"
         raise MissingInputError("tokenize", p["gen_done"], run_first("eagle3 generate"), problem)
-    _check_generation_settings(config, p, shard)
+    _check_generation_settings(facts, p, shard)
     kwargs = template_kwargs(config.generation.reasoning, tokenizer.chat_template or "", tok_path)  # or a config error
     key = _key(p, config, tokenizer_fingerprint(tok_path))
-    done = read_tokenized_done(p["done"])
+    done = facts.tokenized_done(shard)
     if done is not None and done.key == key and p["parquet"].exists():
         if sha256_file(p["parquet"]) == done["parquet_sha256"]:
             return TokenizeResult(**{**done["result"], "skipped": True})
@@ -335,7 +328,8 @@ def tokenize_shard(config: PipelineConfig, shard: str, tokenizer, tok_path: str,
     table = pq.read_table(p["prompts"], columns=["id", "messages", *(["source"] if mixed else [])])
     messages = dict(zip(table.column("id").to_pylist(), table.column("messages").to_pylist()))
     records = read_records(p["generations"], log)
-    vocab, seen, chunk, chars, unfinished = target_vocab_size(config, tokenizer, tok_path), set(), [], 0, deque()
+    vocab = target_vocab_size(tokenizer, tok_path, facts.model_dir())
+    seen, chunk, chars, unfinished = set(), [], 0, deque()
     acc = _Acc(out=_Output(p["parquet"], vocab))
     if mixed:
         acc.sources = SourceTally(dict(zip(table.column("id").to_pylist(), table.column("source").to_pylist())))
@@ -385,7 +379,7 @@ def tokenize_shard(config: PipelineConfig, shard: str, tokenizer, tok_path: str,
         {"in": result.in_, "ok": result.ok, "filtered": result.filtered},
         parquet_sha256=sha256_file(p["parquet"]),
         tokenizer=tok_path,
-        tokenizer_sha256=tokenizer_hash(tok_path),
+        tokenizer_sha256=tok_hash,
         result={k: v for k, v in result.__dict__.items() if k != "skipped"},
     )
     log.info(
@@ -402,7 +396,7 @@ def tokenize_shard(config: PipelineConfig, shard: str, tokenizer, tok_path: str,
     return result
 
 
-def record(config: PipelineConfig, results: list[TokenizeResult], tok_path: str) -> dict:
+def record(facts: RunFacts, results: list[TokenizeResult]) -> dict:
     """The stage's manifest entry: counts, reasons, token totals and the template check."""
     from eagle3.manifest import record_stage, versions
     from eagle3.results import StageCounts
@@ -422,12 +416,13 @@ def record(config: PipelineConfig, results: list[TokenizeResult], tok_path: str)
         k: round(checks[k] / checks["checked"], 4) if checks["checked"] else None
         for k in ("prompt_mismatch", "full_mismatch")
     }
+    config = facts.config
     return record_stage(
         config.run_dir,
         STAGE,
         counts,
         status="ok",
-        tokenizer=tok_path,
+        tokenizer=facts.tokenizer()[0],
         config_hash=section_hash(config.tokenize),
         tokens=sum(r.tokens for r in results),
         supervised_tokens=sum(r.supervised for r in results),

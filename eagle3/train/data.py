@@ -28,8 +28,8 @@ from eagle3.extract.hf import length_batches
 from eagle3.layout import RunLayout
 from eagle3.run_facts import read_states_done, read_tokenized_done
 from eagle3.schemas import TOKENIZED_IDS, TOKENIZED_INPUT_IDS, TOKENIZED_LOSS_MASK, check_schema
+from eagle3.train.errors import TrainDataError
 from eagle3.train.split import is_heldout
-from eagle3.train.stage import TrainDataError
 
 
 @dataclass

@@ -22,12 +22,12 @@ from pathlib import Path
 from eagle3.cluster.train import run_on_cluster
 from eagle3.config import PipelineConfig, section_hash
 from eagle3.durable import atomic_write_json, read_json, remove_inside
-from eagle3.errors import InputError, MissingInputError, TrainFailed, run_first
+from eagle3.errors import TrainFailed, run_first
 from eagle3.layout import RunLayout
 from eagle3.markers import remove_marker, write_marker
-from eagle3.run_facts import read_tokenized_done
-from eagle3.tokenizer import tokenizer_path
+from eagle3.run_facts import RunFacts
 from eagle3.torchrun import torchrun_env
+from eagle3.train.errors import TrainDataError, TrainInputError
 
 STAGE = "train"
 
@@ -37,32 +37,7 @@ STEP_LINE = re.compile(r"\[rank 0\] step (\d+)/(\d+)")
 DISK_ERROR_LINE = re.compile(r"\bDiskWriteError: (.+)$")
 
 
-# Training inputs missing, or not what this config needs (the stage that writes them must run again).
-TrainInputError = MissingInputError
-
-
-class TrainDataError(InputError, ValueError):
-    """Training inputs that do not line up (names the file and what differs)."""
-
-
-def layer_ids_for(config: PipelineConfig) -> list[int]:
-    """The layer ids extraction used (the manifest), checked against the config."""
-    from eagle3.manifest import read_manifest
-
-    entry = read_manifest(config.run_dir).get("stages", {}).get("extract")
-    if not entry:
-        manifest = RunLayout.of(config).manifest
-        raise MissingInputError("train", manifest, run_first("eagle3 extract"), "has no extract stage")
-    if config.extract.layer_ids and list(config.extract.layer_ids) != entry["layer_ids"]:
-        problem = f"{config.extract.layer_ids} differ from the {entry['layer_ids']} the extract stage used"
-        raise MissingInputError("train", "extract.layer_ids", run_first("eagle3 extract", again=True), problem)
-    if entry.get("mode") != config.extract.mode:
-        problem = f"is {config.extract.mode!r} but the extract stage ran in {entry.get('mode')!r} mode"
-        raise MissingInputError("train", "extract.mode", run_first("eagle3 extract", again=True), problem)
-    return list(entry["layer_ids"])
-
-
-def check_tokenized(config: PipelineConfig, shards: list[str]) -> None:
+def check_tokenized(facts: RunFacts, shards: list[str]) -> None:
     """Each tokenized shard is complete, has the columns training reads, and was made with the
     tokenizer the config points at now: checked here, before torchrun starts, so a bad input is one
     clear error rather than a worker's traceback."""
@@ -72,15 +47,12 @@ def check_tokenized(config: PipelineConfig, shards: list[str]) -> None:
         TOKENIZED_LOSS_MASK,
         check_schema,
         check_tokenizer,
-        tokenizer_hash,
     )
 
-    tok_path = tokenizer_path(config)
-    tok_hash = tokenizer_hash(tok_path)
-    layout = RunLayout.of(config)
+    tok_path, tok_hash = facts.tokenizer()
     for shard in shards:
-        files = layout.tokenized_files(shard)
-        path, done = files["parquet"], read_tokenized_done(files["done"])
+        files = facts.layout.tokenized_files(shard)
+        path, done = files["parquet"], facts.tokenized_done(shard)
         if done is None:
             raise TrainDataError(f"{path}: not tokenized (no {files['done'].name}); run `eagle3 tokenize`")
         check_schema(path, (TOKENIZED_IDS, TOKENIZED_INPUT_IDS, TOKENIZED_LOSS_MASK), "tokenized shard")
@@ -109,19 +81,18 @@ def torchrun_argv(config: PipelineConfig, request: Path) -> list[str]:
     return argv + ["-m", "eagle3.train.worker", str(request)]
 
 
-def run_train(config: PipelineConfig, shards: list[str], logger=None, on_line=None) -> dict:
-    """``on_line(line)`` sees every output line of torchrun (the Prefect task moves a progress
+def run_train(facts: RunFacts, shards: list[str], logger=None, on_line=None) -> dict:
+    """Train on ``shards`` with the run's facts (the target, the tokenizer, the layers extraction
+    used). ``on_line(line)`` sees every output line of torchrun (the Prefect task moves a progress
     artifact from the ``step N/M`` lines)."""
-    from eagle3.models import resolve_model
-
     log = logger or logging.getLogger(__name__)
-    layout = RunLayout.of(config)
+    config, layout = facts.config, facts.layout
     run = layout.root
     vocab = layout.draft_vocab
     if not vocab.exists():
-        raise MissingInputError("train", vocab, run_first("eagle3 vocab"))
-    layer_ids = layer_ids_for(config)
-    check_tokenized(config, shards)
+        raise TrainInputError(STAGE, vocab, run_first("eagle3 vocab"))
+    layer_ids = facts.extracted_layer_ids(STAGE)
+    check_tokenized(facts, shards)
     layout.train.mkdir(parents=True, exist_ok=True)
     request = layout.train_request
     result_path = layout.train_result
@@ -132,7 +103,7 @@ def run_train(config: PipelineConfig, shards: list[str], logger=None, on_line=No
         {
             "config": json.loads(config.model_dump_json()),
             "shards": shards,
-            "model_path": resolve_model(config.server.model),
+            "model_path": facts.model_dir(),
             "layer_ids": layer_ids,
             "result_path": str(result_path),
         },

@@ -13,11 +13,11 @@ from pathlib import Path
 from eagle3.config import PipelineConfig, section_hash
 from eagle3.durable import sha256_file
 from eagle3.errors import MissingInputError, run_first
-from eagle3.layout import RunLayout
 from eagle3.manifest import record_stage
 from eagle3.markers import remove_marker, write_marker
 from eagle3.results import StageCounts
-from eagle3.tokenizer import load_tokenizer, target_vocab_size, tokenizer_path
+from eagle3.run_facts import RunFacts
+from eagle3.tokenizer import load_tokenizer, target_vocab_size
 from eagle3.vocab.mapping import build, must_keep, save, sum_counts
 
 STAGE = "vocab"
@@ -28,12 +28,14 @@ def _key(config: PipelineConfig, count_files: list[Path], target: int) -> str:
     return hashlib.sha256(":".join(parts).encode()).hexdigest()[:16]
 
 
-def run_vocab(config: PipelineConfig, shards: list[str], logger=None) -> dict:
+def run_vocab(facts: RunFacts, shards: list[str], logger=None) -> dict:
+    """The draft vocabulary from ``shards``' supervised-token counts (the tokenizer and the target's
+    size come from the run's facts)."""
     log = logger or logging.getLogger(__name__)
-    layout = RunLayout.of(config)
-    path = tokenizer_path(config)
+    config, layout = facts.config, facts.layout
+    path, _ = facts.tokenizer()
     tokenizer = load_tokenizer(path)
-    target = target_vocab_size(config, tokenizer, path)
+    target = target_vocab_size(tokenizer, path, facts.model_dir())
     count_files = [layout.tokenized_files(s)["counts"] for s in shards]
     missing = [str(p) for p in count_files if not p.exists()]
     if missing:

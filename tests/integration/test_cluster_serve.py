@@ -160,12 +160,12 @@ async def two_phases(config, watcher: threading.Thread, killed: dict) -> dict:
     Returns how long the start and the restart took."""
     from eagle3.generate import stage
     from eagle3.generate.shard import generate_shard
-    from eagle3.run_facts import prepared_shards, request_plan
+    from eagle3.run_facts import RunFacts
     from eagle3.serving.client import EndpointPool, deadline_s
     from eagle3.serving.target import outage_wait_s, replica_events, target_server
 
     log = logging.getLogger("test.cluster_serve")
-    gen, shards, timings = config.generation, list(prepared_shards(config)), {}
+    gen, shards, timings = config.generation, list(RunFacts.resolve(config).prompt_shards()), {}
 
     async def shard(path: Path):
         target = serving.target
@@ -188,7 +188,7 @@ async def two_phases(config, watcher: threading.Thread, killed: dict) -> dict:
                 target.template_hash,
                 logger=log,
                 concurrency=gen.concurrency,
-                **request_plan(config),
+                **RunFacts.resolve(config).request_plan,
             )
         finally:
             await pool.close()

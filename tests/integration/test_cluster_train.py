@@ -80,11 +80,12 @@ def placement_groups_left() -> list:
 
 
 def test_two_cluster_nodes_train_the_same_curve_as_two_local_processes(tmp_path, cluster, reference):
+    from eagle3.run_facts import RunFacts
     from eagle3.train.stage import run_train
 
     config, names = on_cluster(tmp_path, cluster)
     seen: list[str] = []
-    entry = run_train(config, names, on_line=seen.append)
+    entry = run_train(RunFacts.resolve(config), names, on_line=seen.append)
     got = lines(Path(config.run_dir) / "train" / "log.jsonl")
     assert_same_curve(reference, got)
     assert entry.world_size == 2, entry
@@ -95,6 +96,7 @@ def test_two_cluster_nodes_train_the_same_curve_as_two_local_processes(tmp_path,
 
 def test_a_killed_actor_fails_cleanly_and_the_rerun_resumes_to_the_same_curve(tmp_path, cluster, reference):
     from eagle3.errors import TrainFailed
+    from eagle3.run_facts import RunFacts
     from eagle3.train.stage import run_train
 
     config, names = on_cluster(tmp_path, cluster)
@@ -105,7 +107,7 @@ def test_a_killed_actor_fails_cleanly_and_the_rerun_resumes_to_the_same_curve(tm
 
     def train() -> None:
         try:
-            outcome["entry"] = run_train(config, names)
+            outcome["entry"] = run_train(RunFacts.resolve(config), names)
         except BaseException as exc:  # noqa: BLE001 - handed to the test thread
             outcome["error"] = exc
 
@@ -131,13 +133,14 @@ def test_a_killed_actor_fails_cleanly_and_the_rerun_resumes_to_the_same_curve(tm
     assert not placement_groups_left()
 
     seen: list[str] = []
-    run_train(config, names, on_line=seen.append)  # what the Prefect task's retry does
+    run_train(RunFacts.resolve(config), names, on_line=seen.append)  # what the Prefect task's retry does
     assert any("[node 0] [rank 0] resumed from" in x for x in seen), seen[:20]
     assert_same_curve(reference, lines(log))
 
 
 def test_a_job_past_its_deadline_stops_every_node(tmp_path, cluster):
     from eagle3.errors import TrainFailed
+    from eagle3.run_facts import RunFacts
     from eagle3.train.stage import run_train
 
     config, names = on_cluster(tmp_path, cluster)
@@ -146,7 +149,7 @@ def test_a_job_past_its_deadline_stops_every_node(tmp_path, cluster):
     config = config.model_copy(update={"train": config.train.model_copy(update=long_job)})
     request = Path(config.run_dir) / "train" / "request.json"
     with pytest.raises(TrainFailed, match=r"ran past train.timeout_s=6 s; every node was stopped"):
-        run_train(config, names)
+        run_train(RunFacts.resolve(config), names)
     assert not torchruns(request), "no torchrun keeps training"  # stopped before the error was raised
     assert not placement_groups_left()
 

@@ -105,6 +105,7 @@ def test_extract_stage_with_the_vllm_backend_stores_what_the_hf_backend_stores(t
 
     from eagle3.extract.stage import extract_shard, plan
     from eagle3.extract.store import ShardStates
+    from eagle3.run_facts import RunFacts
     from extract_runs import make_run
 
     stored = {}
@@ -117,7 +118,7 @@ def test_extract_stage_with_the_vllm_backend_stores_what_the_hf_backend_stores(t
             "extract.vllm_chunk_tokens=150",
             f'server.python="{VLLM_PYTHON}"',
         )
-        the_plan = plan(config, names)
+        the_plan = plan(RunFacts.resolve(config), names)
         with caplog.at_level(logging.INFO):
             result = extract_shard(config, names[0], the_plan)
         assert (result.in_, result.ok, result.tokens) == (5, 5, 243)

@@ -143,10 +143,8 @@ def test_extract_vllm_work_dir_symlinked_out_survives_the_stage_cleanup(layout, 
         yield  # a generator, as stream_with_vllm is
 
     monkeypatch.setattr(backend, "stream_with_vllm", failing_extract)
-    monkeypatch.setattr(stage, "_num_layers", lambda config: 4)
-    monkeypatch.setattr(stage, "model_path", lambda config: "unused")
     config = load_config(DEMO_RECIPE, [f'run_dir="{run}"'])
-    plan = types.SimpleNamespace(layer_ids=[1, 2, 3])
+    plan = types.SimpleNamespace(layer_ids=[1, 2, 3], num_layers=4, model_path="unused")
     with pytest.raises(RuntimeError, match="worker died"):
         stage._fill_with_vllm(config, "shard-00000.parquet", ["a"], [[1, 2, 3]], plan, None, logging.getLogger("test"))
     assert seen == [work]

@@ -150,19 +150,18 @@ def _stage_calls():
     """What each stage's flow first calls, on an empty run directory (the real library functions)."""
     from eagle3.evaluate.live import run_evaluate
     from eagle3.export.stage import run_export
-    from eagle3.run_facts import prepared_shards
     from eagle3.tokenize.stage import tokenize_shard
     from eagle3.train.stage import run_train
     from eagle3.vocab.stage import run_vocab
 
     shard = "shard-00000.parquet"
     return {
-        "generate": prepared_shards,
-        "tokenize": lambda c: tokenize_shard(c, shard, None, "unused"),
-        "vocab": lambda c: run_vocab(c, [shard]),
-        "train": lambda c: run_train(c, [shard]),
-        "export": run_export,
-        "evaluate": run_evaluate,
+        "generate": lambda c, facts: facts.prompt_shards(),
+        "tokenize": lambda c, facts: tokenize_shard(facts, shard, None),
+        "vocab": lambda c, facts: run_vocab(facts, [shard]),
+        "train": lambda c, facts: run_train(facts, [shard]),
+        "export": lambda c, facts: run_export(c),
+        "evaluate": lambda c, facts: run_evaluate(c),
     }
 
 
@@ -215,10 +214,10 @@ def test_cli_prints_a_transient_error_in_one_line_and_a_bug_with_its_traceback(c
     def export_runs(call):
         monkeypatch.setattr(stages, "resolve", lambda ref: call if ref == export_flow else resolve(ref))
 
-    def dies(config):
+    def dies(config, facts):
         raise ServerError("vllm exited with code 1 during startup; see server.log")
 
-    def bug(config):
+    def bug(config, facts):
         raise KeyError("layer_ids")
 
     export_runs(dies)

@@ -13,13 +13,10 @@ from eagle3.extract.errors import (
     LayerIdError,
     StatesError,
 )
-from eagle3.extract.hf import (
-    HFExtractor,
-    default_layer_ids,
-    length_batches,
-    resolve_layer_ids,
-)
+from eagle3.extract.hf import HFExtractor, length_batches
 from eagle3.extract.store import ShardStates, StatesWriter
+from eagle3.models import default_layer_ids, resolve_layer_ids
+from eagle3.run_facts import RunFacts
 from eagle3.tiny import ensure_tiny
 from extract_runs import LENGTHS, make_run, samples
 
@@ -199,7 +196,7 @@ def test_writes_behind_a_thread_return_every_result_and_raise_a_writes_error():
 def run_stage(config, names):
     from eagle3.extract.stage import check_disk, extract_shard, plan
 
-    the_plan = plan(config, names)
+    the_plan = plan(RunFacts.resolve(config), names)
     check_disk(config, the_plan)
     return the_plan, [extract_shard(config, s, the_plan) for s in names]
 
@@ -303,9 +300,9 @@ def test_online_mode_stores_nothing_and_records_the_settings_training_uses(tmp_p
     from eagle3.extract.stage import online_results, plan, record, write_online
 
     config, names = make_run(tmp_path, (LENGTHS, (12, 30)), 'extract.mode="online"')
-    the_plan = plan(config, names)
+    the_plan = plan(RunFacts.resolve(config), names)
     settings = write_online(config, the_plan, names)
-    entry = record(config, online_results(config, names, the_plan), the_plan)
+    entry = record(config, online_results(RunFacts.resolve(config), names, the_plan), the_plan)
     out = Path(config.run_dir) / "hidden_states"
     assert json.loads((out / "online.json").read_text()) == settings and settings["layer_ids"] == [1, 2, 3]
     assert (entry["mode"], entry["in"], entry["ok"], entry["tokens"], entry["bytes"]) == (

@@ -11,6 +11,7 @@ import torch
 from conftest import ROOT
 from eagle3.extract.errors import StatesError
 from eagle3.extract.store import FP8_MAX, ShardStates, StatesWriter, states_bytes
+from eagle3.run_facts import RunFacts
 
 sys.path.insert(0, str(ROOT / "tests"))
 from extract_runs import make_run  # noqa: E402
@@ -119,7 +120,7 @@ def test_the_stage_stores_fp8_reads_back_close_to_bf16_and_a_storage_change_re_e
     from eagle3.manifest import read_manifest  # noqa: F401 -- the stage records into it
 
     config, names = make_run(tmp_path)
-    bf16_plan = plan(config, names)
+    bf16_plan = plan(RunFacts.resolve(config), names)
     for s in names:
         extract_shard(config, s, bf16_plan)
     states_dir = tmp_path / "run" / "hidden_states"
@@ -128,7 +129,7 @@ def test_the_stage_stores_fp8_reads_back_close_to_bf16_and_a_storage_change_re_e
     bf16_bytes = sum((states_dir / s.replace(".parquet", ".safetensors")).stat().st_size for s in names)
 
     fp8_config = config.model_copy(update={"extract": config.extract.model_copy(update={"storage_dtype": "fp8_e4m3"})})
-    fp8_plan = plan(fp8_config, names)
+    fp8_plan = plan(RunFacts.resolve(fp8_config), names)
     assert fp8_plan.storage == "fp8_e4m3" and not any(fp8_plan.done.values()), "a storage change re-extracts"
     assert fp8_plan.bytes_needed < 0.55 * bf16_plan.bytes_needed
     for s in names:
@@ -144,5 +145,5 @@ def test_the_stage_stores_fp8_reads_back_close_to_bf16_and_a_storage_change_re_e
             within_e4m3(b, last, 1)
     fp8_bytes = sum((states_dir / s.replace(".parquet", ".safetensors")).stat().st_size for s in names)
     assert fp8_bytes < 0.55 * bf16_bytes
-    assert all(plan(fp8_config, names).done.values()), "fp8 shards on disk are done for an fp8 config"
-    assert not any(plan(config, names).done.values()), "and not for a bf16 one"
+    assert all(plan(RunFacts.resolve(fp8_config), names).done.values()), "fp8 shards on disk are done for an fp8 config"
+    assert not any(plan(RunFacts.resolve(config), names).done.values()), "and not for a bf16 one"

@@ -13,6 +13,12 @@ it; peers in one layer may import each other as long as no circle results. A mod
 the longest entry it equals or sits under. A shared piece that two modules need goes below both
 (an error to an errors.py, a helper to the shared layer); a lower layer that must call up takes a
 function or a name to resolve (the registry's "module:function" strings).
+
+Two rules keep the stages apart: no module outside a stage's package imports that stage's own module
+(``eagle3.<stage>.stage``; flows/ and tasks/, which run it, excepted), and no module of flows/ or
+tasks/ imports another stage's flow or task module (``flows.<stage>``, ``tasks.<stage>``): what a stage
+needs to know about the run (the shard list, the tokenizer, the target) comes from the run's facts
+(eagle3/run_facts.py), resolved once and handed down.
 """
 
 from __future__ import annotations
@@ -279,6 +285,27 @@ def into_stage_modules(graph: dict[str, dict[str, Edge]], owners: dict[str, str]
     return out
 
 
+def across_stages(graph: dict[str, dict[str, Edge]], names) -> list[str]:
+    """Imports in flows/ and tasks/ of another stage's flow or task module.
+
+    The rule: ``flows.<stage>`` and ``tasks.<stage>`` (``<stage>`` a name in the registry) may import
+    ``flows.<stage>`` / ``tasks.<stage>`` of their own stage only; the modules of neither package that
+    are no stage's (``flows.pipeline``, ``flows.cluster``, ``tasks.retry``, ``tasks.report``...) may
+    import no stage's flow or task module either (the parent flow resolves them by name from the
+    registry). A shard list, a tokenizer path or a plan comes from the run's facts
+    (eagle3/run_facts.py), never from another stage's orchestration."""
+    names, out = set(names), []
+    for module, edges in sorted(graph.items()):
+        package, _, own = module.partition(".")
+        if package not in ("flows", "tasks"):
+            continue
+        for target, edge in sorted(edges.items()):
+            there, _, stage = target.partition(".")
+            if there in ("flows", "tasks") and stage in names and stage != own:
+                out.append(f"{module} -> {target}: {edge}")
+    return out
+
+
 def heavy_at_import(graph, outside, starts, heavy=HEAVY) -> list[str]:
     """How importing each of ``starts`` imports a ``heavy`` package: module-level imports only."""
     out = []
@@ -344,6 +371,11 @@ def test_every_import_points_down_the_layers():
 def test_no_stage_imports_another_stages_module():
     found = into_stage_modules(GRAPH, stage_modules())
     assert not found, _report("another stage's own module imported (resolve the fact in eagle3/run_facts.py)", found)
+
+
+def test_no_flow_or_task_imports_another_stages_flow_or_tasks():
+    found = across_stages(GRAPH, stages.names())
+    assert not found, _report("another stage's flow or tasks imported (read the fact from RunFacts)", found)
 
 
 def test_the_library_never_imports_the_orchestration():

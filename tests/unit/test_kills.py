@@ -18,20 +18,21 @@ STAGE = """
 import sys
 from eagle3.config import DEMO_RECIPE, load_config
 from eagle3.tokenize.stage import tokenize_shard
-from eagle3.tokenizer import load_tokenizer, tokenizer_path
+from eagle3.tokenizer import load_tokenizer
 from eagle3.vocab.stage import run_vocab
 from eagle3.extract.stage import extract_shard, plan
+from eagle3.run_facts import RunFacts
 config = load_config(
     DEMO_RECIPE,
     [f'run_dir="{sys.argv[1]}"', 'data.num_shards=2', 'extract.dtype="float32"', 'vocab.draft_vocab_size=1000'],
 )
 names = ["shard-00000.parquet", "shard-00001.parquet"]
-path = tokenizer_path(config)
-tok = load_tokenizer(path)
+facts = RunFacts.resolve(config)
+tok = load_tokenizer(facts.tokenizer()[0])
 for s in names:
-    tokenize_shard(config, s, tok, path)
-run_vocab(config, names)
-the_plan = plan(config, names)
+    tokenize_shard(facts, s, tok)
+run_vocab(facts, names)
+the_plan = plan(facts, names)
 for s in names:
     extract_shard(config, s, the_plan)
 print("done", flush=True)

@@ -13,7 +13,7 @@ from eagle3.config import DEMO_RECIPE, load_config
 from eagle3.generate.shard import generate_shard, paths
 from eagle3.generate.stage import out_dir
 from eagle3.prepare.stage import run_prepare
-from eagle3.run_facts import prepared_shards
+from eagle3.run_facts import RunFacts
 from eagle3.serving.client import EndpointPool, deadline_s
 from fake_openai import FakeConfig, FaultRule, completion_for, run_fake_server
 
@@ -69,7 +69,7 @@ def _on_disk(config):
     import pyarrow.parquet as pq
 
     streams, prompts = {k: Counter() for k in ("ok", "filtered", "failed")}, {}
-    for shard in prepared_shards(config):
+    for shard in RunFacts.resolve(config).prompt_shards():
         table = pq.read_table(shard, columns=["id", "messages"])
         prompts.update(zip(table.column("id").to_pylist(), table.column("messages").to_pylist()))
         p = paths(out_dir(config), shard.name)
@@ -91,7 +91,7 @@ def test_3000_prompts_with_5_percent_faults_lose_and_duplicate_nothing(tmp_path)
     started = time.monotonic()
     passes, retries, failure_records = [], Counter(), Counter()
     with run_fake_server(fake, in_thread=False) as server:
-        todo = list(prepared_shards(config))
+        todo = list(RunFacts.resolve(config).prompt_shards())
         for _ in range(1 + config.generation.shard_retries):  # pass 1, then resumes as the Prefect task retry does
             rows = asyncio.run(_pass(server.base_url, config, todo))
             passes.append(rows)
@@ -122,7 +122,7 @@ def test_3000_prompts_with_5_percent_faults_lose_and_duplicate_nothing(tmp_path)
     assert sum(c["ok"] + c["filtered"] for c in final.values()) == N and sum(c["failed"] for c in final.values()) == 0
 
     # Every injected fault reached the client as a retry or a recorded failure of its own kind.
-    for stream in (paths(out_dir(config), s.name)["failed"] for s in prepared_shards(config)):
+    for stream in (paths(out_dir(config), s.name)["failed"] for s in RunFacts.resolve(config).prompt_shards()):
         if stream.exists():
             failure_records.update(json.loads(line)["error_kind"] for line in stream.read_text().splitlines())
     seen = retries + failure_records

@@ -153,7 +153,7 @@ def test_local_replicas_get_own_ports_cores_and_logs_share_a_key_and_both_serve(
                 events=replica_events(config),
             )
             try:
-                (shard,) = run_facts.prepared_shards(config)
+                (shard,) = run_facts.RunFacts.resolve(config).prompt_shards()
                 result = await generate_shard(
                     shard,
                     stage.out_dir(config),
@@ -162,7 +162,7 @@ def test_local_replicas_get_own_ports_cores_and_logs_share_a_key_and_both_serve(
                     pool,
                     serving.target.template_hash,
                     logger=LOG,
-                    **run_facts.request_plan(config),
+                    **run_facts.RunFacts.resolve(config).request_plan,
                 )
             finally:
                 await pool.close()

@@ -9,6 +9,7 @@ import pytest
 
 from eagle3.layout import RunLayout, marker_path
 from eagle3.markers import MarkerError, is_marker_name, read_marker, remove_marker, write_marker
+from eagle3.run_facts import RunFacts
 
 # The stage whose markers each folder holds.
 STAGE_OF = {
@@ -103,7 +104,6 @@ def _tiny_run(tmp_path):
     from eagle3.extract.stage import extract_shard, plan, record
     from eagle3.generate.shard import generate_shard
     from eagle3.prepare.stage import run_prepare
-    from eagle3.run_facts import expected_target
     from eagle3.serving.client import EndpointPool
     from eagle3.tokenize.stage import tokenize_shard
     from eagle3.tokenizer import load_tokenizer, tokenizer_path
@@ -116,7 +116,7 @@ def _tiny_run(tmp_path):
     config = load_config(DEMO_RECIPE, [*sets, "generation.max_tokens=24", "vocab.draft_vocab_size=64"])
     layout = RunLayout.of(config)
     names = list(run_prepare(config).shards)
-    model, template = expected_target(config)  # what tokenize checks the records were made with
+    model, template = RunFacts.resolve(config).expected_target()  # what tokenize checks the records were made with
 
     async def generate(url):
         pool = EndpointPool([url], None, 4, 30)
@@ -132,9 +132,9 @@ def _tiny_run(tmp_path):
     path = tokenizer_path(config)
     tok = load_tokenizer(path)
     for name in names:
-        tokenize_shard(config, name, tok, path)
-    run_vocab(config, names)
-    the_plan = plan(config, names)
+        tokenize_shard(RunFacts.resolve(config), name, tok)
+    run_vocab(RunFacts.resolve(config), names)
+    the_plan = plan(RunFacts.resolve(config), names)
     record(config, [extract_shard(config, s, the_plan) for s in names], the_plan)
     return config, names
 
@@ -164,6 +164,6 @@ def test_every_marker_of_a_run_is_read_by_the_protocol_and_an_old_run_resumes(tm
     assert run_prepare(config).skipped
     path = tokenizer_path(config)
     tok = load_tokenizer(path)
-    assert all(tokenize_shard(config, name, tok, path).skipped for name in names)
-    the_plan = plan(config, names)
+    assert all(tokenize_shard(RunFacts.resolve(config), name, tok).skipped for name in names)
+    the_plan = plan(RunFacts.resolve(config), names)
     assert all(the_plan.done.values()) and all(extract_shard(config, s, the_plan).skipped for s in names)

@@ -11,6 +11,7 @@ from eagle3.manifest import read_manifest
 from eagle3.prepare.mix import quotas
 from eagle3.prepare.sources import SourceError
 from eagle3.prepare.stage import run_prepare
+from eagle3.run_facts import RunFacts
 from eagle3.schemas import PROMPT_COLUMNS, check_schema
 
 
@@ -196,11 +197,11 @@ def test_tokenize_counts_rows_and_tokens_per_source_of_a_mix(tmp_path):
                 rec["completion_token_ids"] = []  # one math row filtered as empty_completion
             out.append(rec)
     (gen / "shard-00000.done.json").write_text("{}")
-    result = tokenize_shard(cfg, "shard-00000.parquet", tok, tokenizer_path(cfg))
+    result = tokenize_shard(RunFacts.resolve(cfg), "shard-00000.parquet", tok)
     per = result.per_source
     assert (per["chat"]["in"], per["chat"]["ok"], per["chat"]["filtered"]) == (6, 6, 0)
     assert (per["math"]["in"], per["math"]["ok"], per["math"]["filtered"]) == (3, 2, 1)
     assert per["chat"]["tokens"] + per["math"]["tokens"] == result.tokens
     assert per["chat"]["supervised_tokens"] + per["math"]["supervised_tokens"] == result.supervised
-    entry = record(cfg, [result], tokenizer_path(cfg))
+    entry = record(RunFacts.resolve(cfg), [result])
     assert entry["per_source"] == per

@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 from conftest import PYTHON, ROOT
 from eagle3.config import load_config
 from eagle3.models import ModelNotFoundError, resolve_model, served_name, template_hash
+from eagle3.run_facts import RunFacts
 from eagle3.tiny import build_tiny, ensure_tiny
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
@@ -120,11 +121,11 @@ def make_run(tmp_path: Path, *sets: str):
 
 def tokenize_and_vocab(config, tok):
     from eagle3.tokenize.stage import tokenize_shard
-    from eagle3.tokenizer import tokenizer_path
     from eagle3.vocab.stage import run_vocab
 
-    tokenize_shard(config, "shard-00000.parquet", tok, tokenizer_path(config))
-    return run_vocab(config, ["shard-00000.parquet"])
+    facts = RunFacts.resolve(config)
+    tokenize_shard(facts, "shard-00000.parquet", tok)
+    return run_vocab(facts, ["shard-00000.parquet"])
 
 
 def vocab_tensors(config) -> dict:
@@ -201,7 +202,6 @@ def test_the_cli_prints_one_line_for_a_missing_model(tmp_path):
 
 
 def test_tokenize_vocab_and_generation_key_read_a_hub_id_through_the_cache(offline_cache, tmp_path):
-    from eagle3.run_facts import expected_target
     from eagle3.tokenizer import tokenizer_path
 
     config, tok = make_run(tmp_path, 'server.model="acme/tiny-qwen3"', "vocab.draft_vocab_size=256")
@@ -209,7 +209,7 @@ def test_tokenize_vocab_and_generation_key_read_a_hub_id_through_the_cache(offli
     entry = tokenize_and_vocab(config, tok)
     assert entry["target_vocab_size"] == 4096 and entry["draft_vocab_size"] == 256
     # The records' model name is the id; the template hash is the snapshot's (the tiny template's).
-    assert expected_target(config) == ("acme/tiny-qwen3", template_hash(str(ensure_tiny("qwen3"))))
+    assert RunFacts.resolve(config).expected_target() == ("acme/tiny-qwen3", template_hash(str(ensure_tiny("qwen3"))))
     assert template_hash(str(offline_cache["plain"])) != ""
 
 
@@ -348,7 +348,7 @@ def test_a_tied_target_trains_and_exports(tied, tmp_path):
         "train.learning_rate=3e-3",
         "train.save_every_steps=2",
     )
-    the_plan = plan(config, names)
+    the_plan = plan(RunFacts.resolve(config), names)
     record(config, [extract_shard(config, s, the_plan) for s in names], the_plan)
     ids = np.arange(0, 4096, 4, dtype=np.int64)  # a draft vocabulary a quarter of the target's
     t2d = np.zeros(4096, dtype=bool)
@@ -378,7 +378,6 @@ def test_a_tied_target_trains_and_exports(tied, tmp_path):
 async def test_the_managed_server_loads_the_snapshot_under_the_hub_id(offline_cache, tmp_path):
     """vLLM gets the resolved folder (no hub access at start-up, the bytes every stage reads) and
     --served-model-name ID; requests, records and tokenize's check all use the id."""
-    from eagle3.run_facts import expected_target
     from eagle3.serving.target import target_server
     from test_managed_server import STAND_IN  # a stand-in vLLM that answers /v1/models with the served name
 
@@ -399,7 +398,7 @@ async def test_the_managed_server_loads_the_snapshot_under_the_hub_id(offline_ca
         argv = serving.server.argv
         assert argv[argv.index("--model") + 1] == str(offline_cache["plain"])
         assert argv[argv.index("--served-model-name") + 1] == "acme/tiny-qwen3"
-        assert (serving.target.model, serving.target.template_hash) == expected_target(config)
+        assert (serving.target.model, serving.target.template_hash) == RunFacts.resolve(config).expected_target()
 
 
 @pytest.mark.parametrize(

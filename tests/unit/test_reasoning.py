@@ -27,6 +27,7 @@ from eagle3.reasoning import (  # noqa: E402
     strip_reasoning,
 )
 from eagle3.records import JsonlAppender  # noqa: E402
+from eagle3.run_facts import RunFacts
 from eagle3.tokenize.build import answer_only, render_ids  # noqa: E402
 from eagle3.tokenize.stage import tokenize_shard  # noqa: E402
 from eagle3.tokenizer import load_tokenizer, tokenizer_path  # noqa: E402
@@ -251,7 +252,7 @@ def make_run(tmp_path, mode, *, ids=True, sets=()):
 
 
 def run_stage(config, tok):
-    return tokenize_shard(config, "shard-00000.parquet", tok, tokenizer_path(config))
+    return tokenize_shard(RunFacts.resolve(config), "shard-00000.parquet", tok)
 
 
 def rows(config):
@@ -309,7 +310,10 @@ def test_the_tokenize_key_changes_with_the_mode(tmp_path):
 def test_stage_refuses_a_mode_the_tokenizers_template_cannot_express(tmp_path):
     config, tok, _, _ = make_run(tmp_path, "keep")
     llama = tokenizer_for("tiny-llama")
+    llama_path = str(Path(llama.name_or_path))
     for mode in ("drop", "disable"):
         with pytest.raises(ReasoningModeError, match=rf"generation.reasoning = '{mode}': the chat template of /"):
-            tokenize_shard(with_mode(config, mode), "shard-00000.parquet", llama, str(Path(llama.name_or_path)))
+            moded = with_mode(config, mode)
+            moded = moded.model_copy(update={"tokenize": moded.tokenize.model_copy(update={"tokenizer": llama_path})})
+            tokenize_shard(RunFacts.resolve(moded), "shard-00000.parquet", llama)
     assert not (Path(config.run_dir) / "tokenized" / "shard-00000.done.json").exists()

@@ -16,7 +16,7 @@ from eagle3.generate.conversation import turns_path
 from eagle3.generate.shard import generate_shard, paths
 from eagle3.prepare.stage import run_prepare
 from eagle3.records import read_records
-from eagle3.run_facts import request_plan
+from eagle3.run_facts import RunFacts
 from eagle3.serving.client import EndpointPool
 from fake_openai import FakeConfig, FaultRule, run_fake_server
 from test_generate_faults import FAST, accounting
@@ -48,7 +48,9 @@ def generate(config, shard, base_urls):
         pool = EndpointPool(base_urls, None, config.generation.concurrency, 30)
         try:
             out = Path(config.run_dir) / "generations"
-            return await generate_shard(shard, out, config.generation, "fake-target", pool, **request_plan(config))
+            return await generate_shard(
+                shard, out, config.generation, "fake-target", pool, **RunFacts.resolve(config).request_plan
+            )
         finally:
             await pool.close()
 

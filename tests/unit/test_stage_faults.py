@@ -18,6 +18,7 @@ import pytest
 from eagle3 import records as records_module
 from eagle3.durable import DiskWriteError, sha256_file
 from eagle3.generate.shard import paths
+from eagle3.run_facts import RunFacts
 from eagle3.schemas import SchemaError, TokenizerMismatchError, tokenizer_hash
 from fake_openai import FakeConfig, run_fake_server
 from test_generate_faults import generate, make_run as make_generation_run, records
@@ -273,7 +274,7 @@ def test_a_prompt_shard_with_the_wrong_columns_is_refused_by_tokenize(tmp_path):
     pq.write_table(table.drop_columns(["messages"]), shard)
     path = tokenizer_path(config)
     with pytest.raises(SchemaError, match=r"prompts/shard-00000.parquet: column 'messages' is missing"):
-        tokenize_shard(config, shard.name, load_tokenizer(path), path)
+        tokenize_shard(RunFacts.resolve(config), shard.name, load_tokenizer(path))
     assert not (run / "tokenized" / "shard-00000.parquet").exists()
 
 
@@ -289,7 +290,7 @@ def test_a_tokenized_shard_with_string_ids_is_refused_by_extract_before_any_work
         SchemaError,
         match=r"tokenized/shard-00001.parquet: column 'input_ids' is list<\w+: string>, expected list<int32>",
     ):
-        plan(config, names)
+        plan(RunFacts.resolve(config), names)
     assert not (Path(config.run_dir) / "hidden_states").exists(), "no work before the check"
 
 
@@ -331,7 +332,7 @@ def test_a_tokenized_shard_with_a_wrong_loss_mask_is_refused_by_train_before_tor
     path = Path(config.run_dir) / "tokenized" / "shard-00000.parquet"
     rewrite_tokenized(path, **{column: value(pq.read_table(path).column("input_ids").to_pylist())})
     with pytest.raises(SchemaError, match=rf"tokenized/shard-00000.parquet: column '{column}' is {re.escape(found)}"):
-        run_train(config, names)
+        run_train(RunFacts.resolve(config), names)
     assert not (Path(config.run_dir) / "train" / "request.json").exists(), "torchrun never started"
 
 
@@ -348,7 +349,7 @@ def test_layer_ids_changed_after_extraction_are_refused_by_train(tmp_path):
             r"extract` again"
         ),
     ):
-        run_train(config, names)
+        run_train(RunFacts.resolve(config), names)
     assert not (Path(config.run_dir) / "train" / "request.json").exists()
 
 
@@ -375,13 +376,13 @@ def test_a_tokenizer_changed_since_tokenize_is_refused_by_extract_and_train(tmp_
     names = ["shard-00000.parquet", "shard-00001.parquet"]
     tok = load_tokenizer(tokenizer_path(config))
     for name in names:
-        tokenize_shard(config, name, tok, tokenizer_path(config))
+        tokenize_shard(RunFacts.resolve(config), name, tok)
     marker = json.loads((run / "tokenized" / "shard-00000.done.json").read_text())
     assert marker["tokenizer"] == str(model) and len(marker["tokenizer_sha256"]) == 16
-    plan(config, names)  # same tokenizer: no complaint
+    plan(RunFacts.resolve(config), names)  # same tokenizer: no complaint
 
     moved = load_config(DEMO_RECIPE, [f'run_dir="{run}"', 'server.model="tiny:qwen3"', "data.num_shards=2"])
-    plan(moved, names)  # the same tokenizer files in another folder: still the same tokenizer
+    plan(RunFacts.resolve(moved), names)  # the same tokenizer files in another folder: still the same tokenizer
 
     spec = json.loads((model / "tokenizer.json").read_text())
     vocab = spec["model"]["vocab"]
@@ -401,10 +402,10 @@ def test_a_tokenizer_changed_since_tokenize_is_refused_by_extract_and_train(tmp_
         )
 
     with pytest.raises(TokenizerMismatchError, match=expected("extract")):
-        plan(config, names)
+        plan(RunFacts.resolve(config), names)
     stored_extract(config, names)
     with pytest.raises(TokenizerMismatchError, match=expected("train")):
-        run_train(config, names)
+        run_train(RunFacts.resolve(config), names)
     assert not (run / "hidden_states").exists() and not (run / "train" / "request.json").exists(), (
         "refused before any work"
     )

@@ -19,7 +19,7 @@ from eagle3.results import StageCounts
 CALLS: list[str] = []
 
 
-def dummy_flow(config):
+def dummy_flow(config, facts=None):
     """A stage's flow, as small as one can be: it records itself in the manifest and writes its output."""
     CALLS.append("dummy")
     out = Path(config.run_dir) / "dummy"
@@ -32,7 +32,7 @@ def dummy_summary(entry, run_dir):
     return f"dummy:        answer {entry['answer']}"
 
 
-def quick_flow(config):
+def quick_flow(config, facts=None):
     CALLS.append("quick")
     return {"stage": "quick"}
 

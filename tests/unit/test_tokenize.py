@@ -13,6 +13,7 @@ sys.path.insert(0, str(ROOT / "tests" / "golden"))
 from eagle3.config import DEMO_RECIPE, load_config  # noqa: E402
 from eagle3.prepare.stage import run_prepare  # noqa: E402
 from eagle3.records import JsonlAppender  # noqa: E402
+from eagle3.run_facts import RunFacts
 from eagle3.tokenize.build import from_template, render_ids  # noqa: E402
 from eagle3.tokenize.stage import TokenizeInputError, record, tokenize_shard  # noqa: E402
 from eagle3.tokenizer import load_tokenizer, tokenizer_path  # noqa: E402
@@ -99,8 +100,7 @@ def read_rows(config):
 
 
 def run_stage(config, tok):
-    path = tokenizer_path(config)
-    return tokenize_shard(config, "shard-00000.parquet", tok, path)
+    return tokenize_shard(RunFacts.resolve(config), "shard-00000.parquet", tok)
 
 
 def test_server_ids_path_masks_exactly_the_completion(tmp_path):
@@ -117,7 +117,7 @@ def test_server_ids_path_masks_exactly_the_completion(tmp_path):
         assert row["loss_mask"] == [0] * len(rec["prompt_token_ids"]) + [1] * len(rec["completion_token_ids"])
         assert row["num_supervised"] == len(rec["completion_token_ids"]) and row["path"] == "server_ids"
     assert result.template_check["checked"] == 6 and result.template_check["prompt_mismatch"] == 0
-    entry = record(config, [result], tokenizer_path(config))
+    entry = record(RunFacts.resolve(config), [result])
     assert entry["template_check"]["mismatch_rate"]["prompt_mismatch"] == 0.0
 
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from conftest import ROOT
 from eagle3.drafter.model import DrafterConfig, Eagle3Drafter
+from eagle3.run_facts import RunFacts
 from eagle3.train.loss import target_view, ttt_loss
 
 SMALL = DrafterConfig(
@@ -177,7 +178,7 @@ def make_train_run(tmp_path: Path, *sets: str, identity_vocab: bool = True):
         "train.save_every_steps=2",
         *sets,
     )
-    the_plan = plan(config, names)
+    the_plan = plan(RunFacts.resolve(config), names)
     record(config, [extract_shard(config, s, the_plan) for s in names], the_plan)
     run = Path(config.run_dir)
     if not identity_vocab:
@@ -417,7 +418,7 @@ def test_a_reduced_draft_vocabulary_from_the_counts_to_the_export(tmp_path):
     D = 1024
     config, names = make_train_run(tmp_path, f"vocab.draft_vocab_size={D}", "train.epochs=1", identity_vocab=False)
     run, target = Path(config.run_dir), resolve_model("tiny:qwen3")
-    entry = run_vocab(config, names)
+    entry = run_vocab(RunFacts.resolve(config), names)
     assert (entry["draft_vocab_size"], entry["target_vocab_size"], entry["identity"]) == (D, 4096, False)
 
     d2t, t2d = load_vocab(run / "vocab" / "draft_vocab.safetensors")

@@ -139,8 +139,6 @@ def test_the_stage_stops_the_worker_when_storing_a_chunk_fails(worker, tmp_path,
     from eagle3.extract import stage
 
     monkeypatch.setattr(backend, "WORKER", worker)
-    monkeypatch.setattr(stage, "_num_layers", lambda config: 4)
-    monkeypatch.setattr(stage, "model_path", lambda config: "m")
     monkeypatch.setenv("PID_AT", str(tmp_path / "worker.pid"))
     monkeypatch.setenv("CHUNK_S", "1")
     sets = [f'run_dir="{tmp_path / "run"}"', "extract.vllm_chunk_tokens=8", f'server.python="{sys.executable}"']
@@ -154,7 +152,8 @@ def test_the_stage_stops_the_worker_when_storing_a_chunk_fails(worker, tmp_path,
     with pytest.raises(OSError, match="disk gone") as failure:  # held, as a task runner holds it to log and retry
         stage._fill_with_vllm(
             config, "shard-00000.parquet", list(ids), [np.array(s) for s in seqs],
-            types.SimpleNamespace(layer_ids=[1, 2, 3]), DiskGone(), logging.getLogger("test"),
+            types.SimpleNamespace(layer_ids=[1, 2, 3], num_layers=4, model_path="m"), DiskGone(),
+            logging.getLogger("test"),
         )  # fmt: skip
     assert _gone(int((tmp_path / "worker.pid").read_text()), within_s=0.5), "stopped, not left computing"
     assert failure.value.__traceback__ is not None

@@ -38,7 +38,7 @@ def write_untrained_checkpoint(
     )
     if ids.numel() == 0 or bool((ids[1:] <= ids[:-1]).any()) or int(ids.min()) < 0 or int(ids.max()) >= V:
         raise ValueError(f"draft_ids must be strictly increasing target ids in 0..{V - 1}")
-    from eagle3.extract.hf import default_layer_ids
+    from eagle3.models import default_layer_ids
     from eagle3.train.target import load_target_head
 
     layers = aux_layer_ids or default_layer_ids(int(t["num_hidden_layers"]))
