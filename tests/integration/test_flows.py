@@ -19,6 +19,7 @@ from prefect.client.schemas.filters import (
 
 from conftest import DEMO_RECIPE, PYTHON, ROOT
 from fake_openai import FakeConfig, FaultRule, run_fake_server
+from procs import ours
 
 pytestmark = pytest.mark.integration
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -27,7 +28,7 @@ needs_vllm = pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm 
 
 def vllm_processes() -> list[str]:
     out = subprocess.run(["pgrep", "-af", "vllm.entrypoints.openai.api_server"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if "pgrep" not in line]
+    return [line for line in out.splitlines() if "pgrep" not in line and ours(line.split()[0])]
 
 
 def children_of(client, parent_id):
