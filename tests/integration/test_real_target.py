@@ -37,10 +37,10 @@ def needs_the_real_target():
         pytest.skip(message)
 
 
-def test_smollm2_trains_exports_and_drafts_in_vllm(tmp_path):
+def test_smollm2_trains_exports_and_drafts_in_vllm(tmp_path, prefect_api):
     run = tmp_path / "run"
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}
-    env.pop("PREFECT_API_URL", None)
+    # The suite's Prefect server (a temporary one per `eagle3 run` is test_flows.py's end-to-end test's).
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_API_URL": prefect_api}
     sets = [
         f'run_dir="{run}"',
         f'server.model="{MODEL}"',

@@ -46,10 +46,11 @@ def test_lines_in_a_pipe_every_interval_and_a_last_line_per_stage():
     assert "\x1b[" not in out.getvalue(), "no terminal escapes in a pipe"
 
 
-def eagle3_tokenize(run, *extra, terminal: bool):
-    """`eagle3 tokenize` on a run with finished generations, its stderr a pty or a pipe."""
+def eagle3_tokenize(run, *extra, terminal: bool, api: str):
+    """`eagle3 tokenize` on a run with finished generations, its stderr a pty or a pipe, its flow on the
+    Prefect server at ``api``."""
     argv = [PYTHON, "-m", "cli", "tokenize", "--set", f'run_dir="{run}"', "--set", "data.num_shards=2", *extra]
-    env = {**os.environ, "COLUMNS": "120"}
+    env = {**os.environ, "COLUMNS": "120", "PREFECT_API_URL": api}
     if not terminal:
         return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300).stderr
     leader, follower = pty.openpty()
@@ -75,15 +76,25 @@ def eagle3_tokenize(run, *extra, terminal: bool):
     return b"".join(chunks).decode(errors="replace")
 
 
-def test_the_command_draws_bars_on_a_terminal_and_lines_in_a_pipe(tmp_path):
+def test_the_command_draws_bars_on_a_terminal_and_lines_in_a_pipe(tmp_path, prefect_api):
     make_inputs(tmp_path / "bars", n=60)
     make_inputs(tmp_path / "lines", n=60)
     make_inputs(tmp_path / "off", n=60)
-    drawn = eagle3_tokenize(tmp_path / "bars", "--config", str(ROOT / "recipes" / "tiny-demo.toml"), terminal=True)
+    drawn = eagle3_tokenize(
+        tmp_path / "bars", "--config", str(ROOT / "recipes" / "tiny-demo.toml"), terminal=True, api=prefect_api
+    )
     assert "━" in drawn and "2/2 shards" in drawn, drawn[-2000:]  # rich's bar, and the count
-    plain = eagle3_tokenize(tmp_path / "lines", "--config", str(ROOT / "recipes" / "tiny-demo.toml"), terminal=False)
+    plain = eagle3_tokenize(
+        tmp_path / "lines", "--config", str(ROOT / "recipes" / "tiny-demo.toml"), terminal=False, api=prefect_api
+    )
     assert "tokenize: 2/2 shards (100%)" in plain and "━" not in plain, plain[-2000:]
     quiet = eagle3_tokenize(
-        tmp_path / "off", "--config", str(ROOT / "recipes" / "tiny-demo.toml"), "--progress", "off", terminal=False
+        tmp_path / "off",
+        "--config",
+        str(ROOT / "recipes" / "tiny-demo.toml"),
+        "--progress",
+        "off",
+        terminal=False,
+        api=prefect_api,
     )
     assert "tokenize: 2/2 shards" not in quiet
