@@ -183,9 +183,15 @@ def _summary(config, results: dict) -> str:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from cli import prefect_auth
+
+    # The Prefect server's credential: read from its file before anything imports Prefect (which reads its
+    # settings once), checked against PREFECT_API_URL's server before a flow run starts (cli/prefect_auth.py).
+    prefect_auth.load_auth_file()
     config = _load(args)
     _preflight(config)
     _prefect_defaults()
+    prefect_auth.check_api()
     import asyncio
 
     from eagle3.run_facts import RunFacts
@@ -210,10 +216,14 @@ def _progress(args: argparse.Namespace):
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
+    from cli import prefect_auth
+
+    prefect_auth.load_auth_file()  # as in cmd_run
     config = _load(args)
     _prefect_defaults()
     stage = stages.get(args.command)
     _preflight(config, stage.name)
+    prefect_auth.check_api()
     from eagle3.run_facts import RunFacts
 
     facts = RunFacts.resolve(config)  # once, after the preflight fetched what the stage reads

@@ -30,16 +30,17 @@ class ShardLost(TransientError, RuntimeError):
     """A shard task's worker died more often than cluster.task_max_retries allows."""
 
 
-def _options(config: PipelineConfig, cpus: float, gpus: float, env: dict[str, str] | None = None) -> dict:
+def _options(config: PipelineConfig, cpus: float, gpus: float) -> dict:
+    """Ray's options for each shard task. The runtime_env carries the working directory only: Ray records
+    a task's runtime_env in its task events, which anyone who can read the cluster's state sees, so a
+    secret a task needs travels as one of its arguments (flows/generate.py: the server's API key)."""
     from eagle3.cluster import workdir_env
 
-    runtime_env = workdir_env(os.getcwd())
-    runtime_env["env_vars"].update(env or {})
     return {
         "num_cpus": cpus,
         "num_gpus": gpus,
         "max_retries": config.cluster.task_max_retries,
-        "runtime_env": runtime_env,
+        "runtime_env": workdir_env(os.getcwd()),
     }
 
 
@@ -116,12 +117,10 @@ async def run_shards_async(
     stage: str,
     calls: Sequence[tuple[Task, tuple]],
     cpus: float,
-    env: dict[str, str] | None = None,
 ) -> list:
     """``run_shards`` for async tasks inside an async flow (generation): the waits run in threads, so
     the flow's event loop keeps serving (the managed server's watch). Returns every outcome, errors
-    included, as ``asyncio.gather(..., return_exceptions=True)`` does. ``env``: environment the tasks
-    need (the API key variable), carried in their runtime_env."""
+    included, as ``asyncio.gather(..., return_exceptions=True)`` does."""
     import asyncio
 
     from prefect_ray.context import remote_options
@@ -129,7 +128,7 @@ async def run_shards_async(
     ray, runner = _runner(config, stage, cpus, 0.0)
     _announce(ray, config, stage, len(calls), cpus, 0.0)
     with runner:
-        with remote_options(**_options(config, cpus, 0.0, env)):
+        with remote_options(**_options(config, cpus, 0.0)):
             futures = _submit(runner, calls)
         try:
             await asyncio.gather(*(asyncio.to_thread(f.wait) for f in futures))

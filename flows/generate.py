@@ -6,6 +6,7 @@ import asyncio
 import os
 
 from prefect import flow, get_run_logger
+from pydantic import SecretStr
 
 from eagle3.config import PipelineConfig
 from eagle3.durable import DiskWriteError
@@ -59,9 +60,12 @@ async def generate_flow(config: PipelineConfig = PipelineConfig(), facts: RunFac
         if config.cluster.runs("generate"):
             from flows.cluster import run_shards_async
 
-            # The API key travels in the tasks' environment, as it reaches a local task.
-            key = {target.key_env: os.environ[target.key_env]} if target.key_env in os.environ else {}
-            work = run_shards_async(config, "generate", calls, cpus=config.cluster.generate_cpus, env=key)
+            # The API key is a call argument (Ray's object store), as eagle3/cluster/serve.py hands it to the
+            # replicas: neither a runtime_env (Ray's task records show it) nor a Prefect parameter (the API keeps
+            # no task's arguments; SecretStr masks it in any repr). A local task reads target.key_env instead.
+            key = SecretStr(os.environ[target.key_env]) if os.environ.get(target.key_env) else None
+            calls = [(task, (*args, key)) for task, args in calls]
+            work = run_shards_async(config, "generate", calls, cpus=config.cluster.generate_cpus)
         else:
             runs = [_bounded(limit, lambda t=t, a=a: t(*a)) for t, a in calls]
             work = asyncio.gather(*runs, return_exceptions=True)

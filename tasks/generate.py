@@ -10,6 +10,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import acreate_progress_artifact, aupdate_progress_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import task_run
+from pydantic import SecretStr
 
 from eagle3.config import PipelineConfig
 from eagle3.errors import TransientError
@@ -37,7 +38,11 @@ def _progress_line(name: str, s: dict) -> str:
 # Prefect's cache is off: a cached result could claim a shard whose files were deleted.
 # Retries and their delay are set per run from generation.shard_retries / shard_retry_delay_s.
 @task(name="generate-shard", cache_policy=NO_CACHE)
-async def generate_shard_task(facts: RunFacts, shard: str, target: Target, concurrency: int) -> ShardResult:
+async def generate_shard_task(
+    facts: RunFacts, shard: str, target: Target, concurrency: int, key: SecretStr | None = None
+) -> ShardResult:
+    """``key``: the server's API key where this task runs away from the flow's process (a Ray worker); on
+    the flow's machine it is None and the key is read from the variable ``target.key_env`` names."""
     logger = get_run_logger()
     config = facts.config
     gen = config.generation
@@ -54,7 +59,7 @@ async def generate_shard_task(facts: RunFacts, shard: str, target: Target, concu
 
     pool = EndpointPool(
         list(target.urls),
-        os.environ.get(target.key_env),
+        key.get_secret_value() if key is not None else os.environ.get(target.key_env),
         concurrency,
         deadline_s(gen),
         outage_wait_s=outage_wait_s(config),

@@ -21,9 +21,10 @@ def free_port() -> int:
 
 
 class Server:
-    """`prefect server start` in its own process group, with its own PREFECT_HOME."""
+    """`prefect server start` in its own process group, with its own PREFECT_HOME. ``command``: the
+    argv that starts it, given the port (default: `prefect server start` on 127.0.0.1)."""
 
-    def __init__(self, home: Path, extra_env: dict | None = None):
+    def __init__(self, home: Path, extra_env: dict | None = None, command=None):
         self.port = free_port()
         self.api = f"http://127.0.0.1:{self.port}/api"
         self.env = {
@@ -38,8 +39,9 @@ class Server:
         }
         home.mkdir(parents=True, exist_ok=True)
         self.log = open(home / "server.log", "w")
+        argv = [VENV / "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port)]
         self.proc = subprocess.Popen(
-            [VENV / "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
+            command(self.port) if command else argv,
             env=self.env,
             stdout=self.log,
             stderr=subprocess.STDOUT,

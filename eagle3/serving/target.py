@@ -1,7 +1,9 @@
 """The target's server for the length of a flow: managed (started and stopped here) or external.
 
-The API key never becomes a task parameter (parameters are shown in the UI): shard
-tasks get the *name* of an environment variable that holds it in this process.
+The API key never becomes a flow parameter (the API keeps and shows those) nor a runtime_env (Ray's
+records show those): a shard task in this process gets the *name* of the environment variable that
+holds it (``Target.key_env``); one on the Ray cluster gets the key itself as a masked call argument
+(flows/generate.py), as the replicas do (eagle3/cluster/serve.py).
 
 A managed server is supervised for the length of the flow: when its process exits it is
 restarted on the same port with the same key (server.max_restarts), while the shards'

@@ -159,11 +159,13 @@ def test_shard_tasks_on_a_ray_cluster_match_one_machine_and_survive_a_killed_wor
     assert states["ids"] == rows and len(set(rows)) == len(rows)
 
 
-def test_generation_shards_on_the_cluster_keep_their_retries_and_key(
+def test_generation_shards_on_the_cluster_keep_their_retries_and_key_out_of_sight(
     prefect_server, cluster, driver, demo_config, tmp_path, monkeypatch
 ):
     import asyncio
+    import secrets
 
+    import secret_scan
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter
 
@@ -174,9 +176,10 @@ def test_generation_shards_on_the_cluster_keep_their_retries_and_key(
     # The key reaches the tasks on the cluster (the fake server refuses requests without it), and
     # Prefect's shard retry works there as on one machine: "please retry me" fails 3 times, its
     # shard's first attempt gives up after max_attempts=2, the retry resends only that prompt.
-    monkeypatch.setenv("EAGLE3_API_KEY", "key-for-the-cluster")
+    key = f"scan-{secrets.token_hex(16)}"
+    monkeypatch.setenv("EAGLE3_API_KEY", key)
     rule = FaultRule(match="please retry me", kind="status", status=503, times=3)
-    with run_fake_server(FakeConfig(api_key="key-for-the-cluster", rules=[rule])) as fake:
+    with run_fake_server(FakeConfig(api_key=key, rules=[rule])) as fake:
         config = external(
             demo_config, tmp_path, fake.base_url, f'cluster.address="{cluster.address}"', 'cluster.stages=["generate"]'
         )
@@ -195,3 +198,11 @@ def test_generation_shards_on_the_cluster_keep_their_retries_and_key(
     assert sorted(runs.values()) == [1, 2], runs
     manifest = json.loads((Path(config.run_dir) / "manifest.json").read_text())["stages"]["generate"]
     assert (manifest["in"], manifest["ok"], manifest["failed"]) == (20, 20, 0)
+
+    # ... and nowhere else: not in Ray's job, actor, task or worker records (a runtime_env is there), not in
+    # the environment of any process of the cluster's nodes, not in what the Prefect API holds for the flow
+    # run (its parameters, task runs, logs, artifacts), not in the run folder nor in Ray's logs.
+    assert secret_scan.ray_metadata(cluster.address, key) == []
+    assert secret_scan.process_environments([p.pid for p in cluster.procs], key) == []
+    assert secret_scan.prefect_records(flow_run_id, key) == []
+    assert secret_scan.files([Path(config.run_dir), cluster.temp_dir, cluster.log_dir], key) == []

@@ -170,3 +170,15 @@ def test_the_run_report_reads_everything_from_the_run_dir(tmp_path):
         and "Offline estimate from training (held-out, greedy chain): 1.600" in text
     )
     assert f"`{tmp_path / 'generations/'}`" in text or f"`{tmp_path / 'generations'}`" in text
+
+
+def test_an_unusable_prefect_credential_file_fails_in_one_line_naming_it(tmp_path):
+    """PREFECT_API_AUTH_STRING_FILE (cli/prefect_auth.py) is read before anything else; a missing or empty
+    file is one line naming the variable and the path (the 401/200 checks: tests/integration/test_prefect_auth.py)."""
+    missing, empty = tmp_path / "missing", tmp_path / "empty"
+    empty.write_text("\n")
+    for path, why in ((missing, "cannot read it (No such file or directory)"), (empty, "the file is empty")):
+        result = run("generate", "--config", str(DEMO_RECIPE), env={"PREFECT_API_AUTH_STRING_FILE": str(path)})
+        assert result.returncode == 1, result.stderr[-2000:]
+        assert f"eagle3 generate: error: PREFECT_API_AUTH_STRING_FILE={path}: {why}" in result.stderr
+        assert "Traceback" not in result.stderr

@@ -1,6 +1,7 @@
 """Static checks of docker/ (no container engine runs here): every copied path exists, the compose
 file parses and wires the services together, and each image's command exists in the project."""
 
+import os
 import re
 import shlex
 from pathlib import Path
@@ -35,6 +36,13 @@ def copy_sources(dockerfile: Path) -> list[str]:
 
 def compose() -> dict:
     return yaml.safe_load((DOCKER / "compose.yaml").read_text())
+
+
+def worker_script(worker: dict) -> str:
+    """The shell line the compose worker runs (after scripts/secret-env.sh and `bash -c`)."""
+    command = worker["command"]
+    assert command[:3] == ["scripts/secret-env.sh", "bash", "-c"], command[:3]
+    return command[3]
 
 
 def test_every_path_the_images_copy_exists():
@@ -109,7 +117,7 @@ def test_compose_runs_a_ray_head_and_a_gpu_worker_from_the_project_image():
     assert worker["depends_on"]["ray-head"]["condition"] == "service_healthy"
     assert all(p.startswith("127.0.0.1:") for p in head["ports"]), "the Ray dashboard is bound to loopback"
     # The Prefect worker's flow runs drive the cluster: it joins as a node that offers nothing.
-    assert "ray start --address=ray-head:6379 --num-cpus=0 --num-gpus=0 && " in prefect_worker["command"][2]
+    assert "ray start --address=ray-head:6379 --num-cpus=0 --num-gpus=0 && " in worker_script(prefect_worker)
     assert prefect_worker["environment"]["EAGLE3_RAY_HEAD"] == "ray-head:6379"
     for name in ("ray-head", "ray-worker", "worker"):
         assert "runs:/opt/eagle3/runs" in services[name]["volumes"], f"{name}: the run folder at the same path"
@@ -148,7 +156,7 @@ def test_the_ray_commands_exist_in_the_images_environment():
     services = compose()["services"]
     for name in ("ray-head", "ray-worker"):
         used |= {arg.split("=")[0] for arg in services[name]["command"][2:]}
-    used |= {f.split("=")[0] for f in re.findall(r"--[a-z-]+=?", services["worker"]["command"][2].split("&&")[0])}
+    used |= {f.split("=")[0] for f in re.findall(r"--[a-z-]+=?", worker_script(services["worker"]).split("&&")[0])}
     for doc in yaml.safe_load_all((ROOT / "deployments" / "k8s" / "raycluster.yaml").read_text()):
         groups = [doc["spec"]["headGroupSpec"]] + doc["spec"]["workerGroupSpecs"]
         used |= {f"--{key}" for group in groups for key in group.get("rayStartParams", {})}
@@ -162,3 +170,53 @@ def test_the_ray_commands_exist_in_the_images_environment():
     used |= {f.split("=")[0] for f in re.findall(r"--[a-z-]+=?", ray_line)}
     assert used - accepted == set(), f"`ray start` does not accept {sorted(used - accepted)}"
     assert {"--head", "--address", "--block", "--num-gpus", "--dashboard-host"} <= used
+
+
+# Prefect's basic-auth settings: the server's credential and the one a client presents.
+AUTH_SETTINGS = ("PREFECT_SERVER_API_AUTH_STRING", "PREFECT_API_AUTH_STRING")
+
+
+def test_the_compose_prefect_server_requires_a_credential_read_from_a_secret():
+    """The server and the worker get the credential from the compose secret's file (scripts/secret-env.sh
+    turns NAME_FILE into NAME), never as a value in the file: no auth setting is set in any service's
+    environment or command, and the secret comes from a file outside the repository's tracked files."""
+    doc = compose()
+    services = doc["services"]
+    secret = "prefect-auth-string"
+    source = doc["secrets"][secret]
+    assert set(source) == {"file"}, f"the secret {secret} must come from a file: {source}"
+    assert source["file"].endswith("./secrets/prefect-auth-string}")
+    assert "docker/secrets/" in (ROOT / ".gitignore").read_text().splitlines(), "the secret's folder is ignored"
+    wants = {"prefect-server": "PREFECT_SERVER_API_AUTH_STRING", "worker": "PREFECT_API_AUTH_STRING"}
+    for name, setting in wants.items():
+        service = services[name]
+        assert service["secrets"] == [secret], name
+        assert service["environment"][f"{setting}_FILE"] == f"/run/secrets/{secret}", name
+        assert service["command"][0] == "scripts/secret-env.sh", f"{name}: the command loads the secret first"
+    for name, service in services.items():
+        env = service.get("environment") or {}
+        for setting in AUTH_SETTINGS:
+            assert setting not in env, f"{name}: {setting} is set in the compose file; name its file (_FILE) instead"
+            assert setting + "=" not in " ".join(map(str, service.get("command") or [])), name
+    script = ROOT / "scripts" / "secret-env.sh"
+    assert os.access(script, os.X_OK), "scripts/secret-env.sh must be executable (compose runs it as the command)"
+    assert all(f"load {setting}" in script.read_text() for setting in AUTH_SETTINGS)
+    copied = {
+        src for word, rest in instructions(DOCKER / "worker.Dockerfile") if word == "COPY" for src in rest.split()
+    }
+    assert "scripts" in copied, "the worker image (the server's too) must carry scripts/secret-env.sh"
+
+
+def test_secret_env_loads_a_file_and_refuses_a_missing_one(tmp_path):
+    import subprocess
+
+    script = str(ROOT / "scripts" / "secret-env.sh")
+    secret = tmp_path / "auth"
+    secret.write_text("admin:pa ss\n")
+    show = 'printf "%s|%s" "$PREFECT_SERVER_API_AUTH_STRING" "${PREFECT_SERVER_API_AUTH_STRING_FILE-unset}"'
+    env = {"PATH": os.environ["PATH"], "PREFECT_SERVER_API_AUTH_STRING_FILE": str(secret)}
+    out = subprocess.run([script, "sh", "-c", show], env=env, capture_output=True, text=True, timeout=30)
+    assert (out.returncode, out.stdout) == (0, "admin:pa ss|unset"), out
+    env["PREFECT_SERVER_API_AUTH_STRING_FILE"] = str(tmp_path / "missing")
+    out = subprocess.run([script, "true"], env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1 and f"PREFECT_SERVER_API_AUTH_STRING_FILE={tmp_path / 'missing'}" in out.stderr, out

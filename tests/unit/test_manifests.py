@@ -287,6 +287,50 @@ def test_the_worker_drives_the_clusters_head_and_the_config_names_it():
         )
 
 
+def auth_problems(docs: list[dict]) -> list[str]:
+    """Where the manifests break the rule for the Prefect credential: the worker presents
+    PREFECT_API_AUTH_STRING from a Secret's key (the one Prefect's Helm chart reads for the server,
+    auth-string), never as a value, and no manifest holds the Secret itself (created by hand)."""
+    problems = []
+    for doc in docs:
+        if doc["kind"] == "Secret":
+            data = {**doc.get("data", {}), **doc.get("stringData", {})}
+            problems += [f"Secret {doc['metadata']['name']} holds {k}" for k in data if "AUTH" in k.upper()]
+        if doc["kind"] != "Deployment":
+            continue
+        container = doc["spec"]["template"]["spec"]["containers"][0]
+        env = {e["name"]: e for e in container.get("env", [])}
+        auth = env.get("PREFECT_API_AUTH_STRING")
+        if auth is None:
+            problems.append("the worker does not present PREFECT_API_AUTH_STRING")
+            continue
+        if "value" in auth or "secretKeyRef" not in auth.get("valueFrom", {}):
+            problems.append("PREFECT_API_AUTH_STRING must come from a Secret (valueFrom.secretKeyRef), not a value")
+        elif auth["valueFrom"]["secretKeyRef"].get("key") != "auth-string":
+            problems.append("PREFECT_API_AUTH_STRING: the Secret's key is auth-string (Prefect's Helm chart's)")
+        problems += [f"{name} has a value" for name, e in env.items() if "AUTH" in name and "value" in e]
+    return problems
+
+
+def test_the_worker_presents_the_prefect_credential_from_a_secret_never_a_literal():
+    docs = [doc for _, doc in manifests()]
+    assert auth_problems(docs) == []
+    ref = one("Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {
+        "name": "PREFECT_API_AUTH_STRING",
+        "valueFrom": {"secretKeyRef": {"name": "prefect-auth", "key": "auth-string"}},
+    } in ref
+    # The check bites: a literal, a Secret in the manifests holding it, a missing entry.
+    literal = mutated(
+        "Deployment", lambda d: d["spec"]["template"]["spec"]["containers"][0]["env"][0].update({"value": "admin:pass"})
+    )
+    assert any("not a value" in p for p in auth_problems([literal]))
+    missing = mutated("Deployment", lambda d: d["spec"]["template"]["spec"]["containers"][0].pop("env"))
+    assert auth_problems([missing]) == ["the worker does not present PREFECT_API_AUTH_STRING"]
+    stored = {"kind": "Secret", "metadata": {"name": "prefect-auth"}, "stringData": {"auth-string": "admin:pass"}}
+    assert auth_problems([stored, one("Deployment")]) == ["Secret prefect-auth holds auth-string"]
+
+
 def mutated(kind: str, change) -> dict:
     doc = copy.deepcopy(one(kind))
     change(doc)
