@@ -6,7 +6,7 @@ PYTEST_ARGS ?=
 # make test runs the suite on TEST_WORKERS pytest-xdist workers (tests/conftest.py says how the tests are
 # shared between them; docs/testing.md has the times measured with 1 and 2). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
-XDIST = $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
+XDIST = $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup)
 
 # Prefect offline and project-local: no analytics, its home (SQLite DB, settings) in the tree.
 export PREFECT_HOME ?= $(CURDIR)/.prefect

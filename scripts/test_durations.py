@@ -1,6 +1,6 @@
 """Rewrite tests/durations.json from a pytest JUnit report: each test's seconds (setup, call and teardown).
 
-    .venv/bin/python -m pytest -n 2 --dist loadgroup --no-loadscope-reorder --junitxml=/tmp/suite.xml
+    .venv/bin/python -m pytest -n 2 --dist loadgroup --junitxml=/tmp/suite.xml
     .venv/bin/python scripts/test_durations.py /tmp/suite.xml
 
 tests/conftest.py hands the suite's work to the xdist workers longest first by these times; they are a

@@ -73,12 +73,15 @@ def anyio_backend():
     return "asyncio"
 
 
-# How `make test` shares the suite between its two workers (pytest-xdist, --dist loadgroup): a test module
+
+# How `make test` shares the suite between its two workers (pytest-xdist, `--dist loadgroup`): a test module
 # is one unit of work, so its module-scoped servers start once; the Ray files are one unit (two clusters
 # at once would contend for Ray's fixed agent ports and the two cores); a test that took ALONE_S or more
 # is a unit of its own. Units go out longest first (by tests/durations.json, the last measured run's
 # times: `scripts/test_durations.py` rewrites it), so no long test starts last while the other worker idles.
 # The order is a schedule only: nothing depends on it, and a test missing from the file counts as 0 s.
+# The units are given to xdist by the scheduler below, not by xdist_group marks: xdist 3.8 reads those
+# into the test ids through an attribute pytest 9 no longer has, so under pytest 9 the marks group nothing.
 DURATIONS = json.loads((ROOT / "tests" / "durations.json").read_text())
 ALONE_S = 30.0
 RAY_FILES = (
@@ -90,7 +93,7 @@ RAY_FILES = (
 
 
 def work_unit(nodeid: str) -> str:
-    """The xdist group of a test: "ray" for the Ray files, its own id when it is long, else its file."""
+    """The unit a test goes out in: "ray" for the Ray files, its own id when it is long, else its file."""
     path = nodeid.split("::")[0]
     if path in RAY_FILES:
         return "ray"
@@ -103,5 +106,18 @@ def pytest_collection_modifyitems(config, items):
     for nodeid, unit in units.items():
         cost[unit] = cost.get(unit, 0.0) + DURATIONS.get(nodeid, 0.0)
     items.sort(key=lambda item: -cost[units[item.nodeid]])  # stable: equal units keep the collection order
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(units[item.nodeid]))
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's hook for a scheduler of one's own: its scheduler by scope, with work_unit as the scope and the
+    collection's order (longest first, above) kept."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByWorkUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    config.option.loadscopereorder = False
+    return ByWorkUnit(config, log)
