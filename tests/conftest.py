@@ -73,7 +73,6 @@ def anyio_backend():
     return "asyncio"
 
 
-
 # How `make test` shares the suite between its two workers (pytest-xdist, `--dist loadgroup`): a test module
 # is one unit of work, so its module-scoped servers start once; the Ray files are one unit (two clusters
 # at once would contend for Ray's fixed agent ports and the two cores); a test that took ALONE_S or more
