@@ -331,9 +331,12 @@ def assert_close_weights(a: Path, b: Path) -> None:
 @needs_vllm
 @pytest.mark.timeout(900)
 def test_sigkill_inside_each_stage_then_rerun_matches_uninterrupted(tmp_path, prefect_api):
+    # Every run here reports to the suite's Prefect server: a temporary one per `eagle3` command would add
+    # ~12 s to each of the 12 (a run with its own temporary server is test_flows.py's end-to-end test). The
+    # kills are of the command's whole process group, so a temporary server would die with it anyway.
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PYTHONUNBUFFERED": "1"}
-    env.pop("PREFECT_API_URL", None)  # the killed runs start their temporary Prefect server, as a user's run does
-    shared = {**env, "PREFECT_API_URL": prefect_api}  # the rerun and the references: the suite's server (~12 s each)
+    env["PREFECT_API_URL"] = prefect_api
+    shared = env
     run, ref_prep, ref = tmp_path / "killed", tmp_path / "ref-prepare", tmp_path / "ref-stages"
     sets = ["--config", str(DEMO_RECIPE), *(a for s in SMALL for a in ("--set", s))]
     in_run = lambda r: [*sets, "--set", f'run_dir="{r}"']  # noqa: E731
