@@ -18,5 +18,6 @@ from tasks.evaluate import evaluate_task
     ),
 )
 def evaluate_flow(config: PipelineConfig = PipelineConfig(), facts: RunFacts | None = None) -> dict:
-    RunFacts.of(config, facts)  # the stage reads only its own folders and the config; foreign facts are refused
+    if facts is not None:  # handed down: refused when resolved for another config; alone: nothing to resolve
+        RunFacts.of(config, facts)  # the stage reads only its own folders and the config; foreign facts are refused
     return evaluate_task(config)

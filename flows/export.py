@@ -17,5 +17,6 @@ from tasks.export import export_task
     ),
 )
 def export_flow(config: PipelineConfig = PipelineConfig(), facts: RunFacts | None = None) -> dict:
-    RunFacts.of(config, facts)  # the stage reads only its own folders and the config; foreign facts are refused
+    if facts is not None:  # handed down: refused when resolved for another config; alone: nothing to resolve
+        RunFacts.of(config, facts)  # the stage reads only its own folders and the config; foreign facts are refused
     return export_task(config)

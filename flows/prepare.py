@@ -31,7 +31,8 @@ async def _written_by_target(config: PipelineConfig, plan: Plan) -> dict | None:
     description="Load, normalise, de-duplicate and shard the prompts (or have the target write them).",
 )
 def prepare_flow(config: PipelineConfig = PipelineConfig(), facts: RunFacts | None = None) -> PrepareResult:
-    RunFacts.of(config, facts)  # prepare reads the config alone (its self-prompt plan, the target's template)
+    if facts is not None:  # handed down: refused when resolved for another config; alone: nothing to resolve
+        RunFacts.of(config, facts)  # prepare reads the config alone (its self-prompt plan, the target's template)
     if is_self_source(config.data.source):
         plan = self_prompts_plan_task(config)
         if marker_current(config, plan) is None:
