@@ -124,42 +124,37 @@ def summary_of(arms: dict, baseline: str) -> dict:
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arm", required=True, help="the arm's name (its run folder and its key in the JSON)")
-    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE", help="a training lever")
-    parser.add_argument("--data-set", dest="data_sets", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--samples", type=int, default=300)
-    parser.add_argument("--recipe", default="recipes/smollm2-135m-cpu.toml")
-    parser.add_argument("--baseline", default="baseline")
-    parser.add_argument("--note", default="", help="why this arm: written beside its result")
-    parser.add_argument("--out", default=str(OUT))
-    args = parser.parse_args()
-    started = results_file.provenance()
+def run_arm(
+    arm: str, sets: list[str], data_sets: list[str], samples: int, recipe: str, note: str, prepare_data=None
+) -> dict:
+    """Make (or find) the data run for ``samples`` and ``data_sets``, train, export and evaluate the arm in
+    its own folder; return the arm's record (budget, per-stage seconds, result, per-prompt counters).
+    ``prepare_data(data_run)`` runs before the data stages (the scaling curve seeds a run's request store)."""
     began = time.monotonic()
-    data_run = data_dir(args.samples, args.data_sets)
-    common = [f"data.self_prompts.count={args.samples}", *args.data_sets]
+    started = results_file.provenance()
+    data_run = data_dir(samples, data_sets)
+    common = [f"data.self_prompts.count={samples}", *data_sets]
     (ROOT / data_run).mkdir(parents=True, exist_ok=True)
+    if prepare_data is not None:
+        prepare_data(ROOT / data_run)
     log = ROOT / data_run / "benchmark.log"
     stages = {}
     for stage in DATA_STAGES:
-        stages[stage] = run_stage(stage, args.recipe, [f'run_dir="{data_run}"', *common], log)
+        stages[stage] = run_stage(stage, recipe, [f'run_dir="{data_run}"', *common], log)
         print(f"data {stage}: {stages[stage]}", flush=True)
-    arm_run = f"runs/se-arm-{args.arm}"
+    arm_run = f"runs/se-arm-{arm}"
     link_data(ROOT / data_run, ROOT / arm_run)
-    arm_sets = [f'run_dir="{arm_run}"', *common, *args.sets, *EVALUATE]
+    arm_sets = [f'run_dir="{arm_run}"', *common, *sets, *EVALUATE]
     for stage in ARM_STAGES:
-        stages[stage] = run_stage(stage, args.recipe, arm_sets, ROOT / arm_run / "benchmark.log")
-        print(f"arm {args.arm} {stage}: {stages[stage]}", flush=True)
+        stages[stage] = run_stage(stage, recipe, arm_sets, ROOT / arm_run / "benchmark.log")
+        print(f"arm {arm} {stage}: {stages[stage]}", flush=True)
     result = arm_result(ROOT / arm_run)
-    doc = read_json(Path(args.out)) if Path(args.out).exists() else {}
-    arms = doc.get("arms", {})
-    arms[args.arm] = {
-        "note": args.note,
-        "sets": args.sets,
-        "data_sets": args.data_sets,
+    return {
+        "note": note,
+        "sets": sets,
+        "data_sets": data_sets,
         "budget": {
-            "samples": args.samples,
+            "samples": samples,
             "supervised_tokens": supervised_tokens(ROOT / data_run),
             "train_steps": result["train_steps"],
         },
@@ -173,6 +168,24 @@ def main() -> None:
         "result": {k: v for k, v in result.items() if k != "per_prompt"},
         "per_prompt": result["per_prompt"],
     }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arm", required=True, help="the arm's name (its run folder and its key in the JSON)")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE", help="a training lever")
+    parser.add_argument("--data-set", dest="data_sets", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--samples", type=int, default=300)
+    parser.add_argument("--recipe", default="recipes/smollm2-135m-cpu.toml")
+    parser.add_argument("--baseline", default="baseline")
+    parser.add_argument("--note", default="", help="why this arm: written beside its result")
+    parser.add_argument("--out", default=str(OUT))
+    args = parser.parse_args()
+    started = results_file.provenance()
+    record = run_arm(args.arm, args.sets, args.data_sets, args.samples, args.recipe, args.note)
+    doc = read_json(Path(args.out)) if Path(args.out).exists() else {}
+    arms = doc.get("arms", {})
+    arms[args.arm] = record
     base = arms.get(args.baseline)
     for name, arm in arms.items():
         if base is not None and name != args.baseline:
