@@ -50,9 +50,10 @@ test-setup:
 	@scripts/ensure_venv.sh pipeline & p=$$!; scripts/ensure_venv.sh vllm & v=$$!; scripts/ensure_chromium.sh & c=$$!; \
 		ok=0; for pid in $$p $$v $$c; do wait $$pid || ok=1; done; exit $$ok
 
-## make test-fast: the inner loop, lint and the unit tests (tests/unit) on the same workers; no vLLM venv needed.
+## make test-fast: the inner loop, lint and the unit tests (tests/unit) on the same workers, less the ones marked
+## slow (10 s or more alone in tests/durations.json: tests/conftest.py); no vLLM venv needed. `make test` runs all.
 test-fast: lint
-	@$(VENV)/bin/python -m pytest tests/unit $(XDIST) $(PYTEST_ARGS)
+	@$(VENV)/bin/python -m pytest tests/unit -m "not slow" $(XDIST) $(PYTEST_ARGS)
 
 ## make lint: ruff check and ruff format --check over the tree (settings in pyproject.toml), and every relative
 ## link in the Markdown docs resolves; a second or two.
