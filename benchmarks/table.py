@@ -28,7 +28,12 @@ README = ROOT / "benchmarks" / "README.md"
 sys.path[:0] = [str(ROOT / "benchmarks")]
 
 from table_format import num, table  # noqa: E402
-from table_suite import free_speculator_grid, free_speculator_methods, sample_efficiency_arms  # noqa: E402
+from table_suite import (  # noqa: E402
+    data_scaling_points,
+    free_speculator_grid,
+    free_speculator_methods,
+    sample_efficiency_arms,
+)
 
 import results_file  # noqa: E402
 
@@ -76,6 +81,12 @@ TARGETS: dict[str, dict[str, tuple[str, float] | None]] = {
         "baseline_acceptance_length": None,
         "best_acceptance_length": (">=", 2.3),
         "best_minus_baseline": None,
+    },
+    "data_scaling": {
+        "tau_at_largest": None,
+        "tau_gain_per_doubling": None,
+        "samples_for_tau_2_3": None,
+        "samples_for_tau_3_0": None,
     },
 }
 ORDER = list(TARGETS)
@@ -408,6 +419,7 @@ SECTIONS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "free_speculators": ("free_speculators", free_speculator_methods),
     "free_speculators_grid": ("free_speculators", free_speculator_grid),
     "sample_efficiency": ("sample_efficiency", sample_efficiency_arms),
+    "data_scaling": ("data_scaling", data_scaling_points),
 }
 
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from table_format import interval, num, table
 
 
@@ -60,3 +62,50 @@ def sample_efficiency_arms(results: dict[str, dict]) -> str:
         )
     head = ["arm", "levers", "samples", "tau (suite)", "95% interval", *cats, f"vs {data['baseline']} (paired)"]
     return table(head + ["offline held-out tau", "CPU s (train+export+eval)"], rows)
+
+
+def _count(value) -> str:
+    """A count that may be astronomically extrapolated: grouped digits up to ten million, else 3 digits."""
+    return f"{value:,.0f}" if value < 1e7 else f"{value:.2g}"
+
+
+def data_scaling_points(results: dict[str, dict]) -> str:
+    """The scaling curve: per point its data, tau on the suite with its interval and per category, then the
+    fit and what it extrapolates to, and the plot."""
+    data = results["data_scaling"]
+    arms, s = data["arms"], data["summary"]
+    names = sorted(arms, key=lambda n: arms[n]["budget"]["supervised_tokens"])
+    cats = list(arms[names[0]]["result"]["by_category"])
+    rows = []
+    for name in names:
+        a = arms[name]
+        r = a["result"]
+        rows.append(
+            [a["budget"]["samples"], num(a["budget"]["supervised_tokens"], 0), f"**{num(r['acceptance_length'], 3)}**"]
+            + [interval(r["ci95"])]
+            + [num(r["by_category"][c], 2) for c in cats]
+            + [
+                num(r.get("offline_heldout_acceptance_length"), 3),
+                num(a["cpu_s_data"] + a["cpu_s_train_export_evaluate"], 0),
+            ]
+        )
+    head = ["samples", "supervised tokens", "tau (suite)", "95% interval", *cats, "offline held-out tau", "CPU s"]
+    out = [table(head, rows)]
+    if "fit_intercept" in s:
+        gain = (
+            f"{num(s['tau_gain_per_doubling'], 3)} "
+            f"{interval([s['tau_gain_per_doubling_ci95_low'], s['tau_gain_per_doubling_ci95_high']])}"
+        )
+        line = [f"Fit `{data['fit']['model']}`: +{gain} tau per doubling of the data (R² {num(s['fit_r2'], 2)})."]
+        for target in ("2_3", "3_0"):
+            key = f"samples_for_tau_{target}"
+            if key in s:
+                high = s.get(f"{key}_ci95_high")
+                band = f"[{_count(s[key + '_ci95_low'])}, {_count(high) if high else '∞'}]"
+                line.append(
+                    f"tau {target.replace('_', '.')} would take ~{_count(s[key])} samples {band} "
+                    f"({num(s[f'doublings_beyond_largest_for_tau_{target}'], 1)} doublings beyond the largest point)."
+                )
+        out += ["", " ".join(line)]
+    out += ["", f"![tau against supervised tokens]({Path(data['plot']).relative_to('benchmarks')})"]
+    return "\n".join(out)
