@@ -11,7 +11,7 @@ from conftest import ROOT
 from eagle3.errors import MissingInputError, UserError
 from eagle3.layout import RunLayout
 from eagle3.manifest import record_stage
-from eagle3.models import template_hash
+from eagle3.models import ModelNotFoundError, template_hash
 from eagle3.prepare.stage import run_prepare
 from eagle3.results import StageCounts
 from eagle3.run_facts import RunFacts
@@ -124,3 +124,38 @@ def test_a_stage_reads_its_inputs_through_the_facts_it_is_handed(tmp_path, prefe
     with pytest.raises(TokenizerMismatchError, match="the tokenizer changed between stages"):
         plan(true, [NAMES[0]])
     assert plan(handed, [NAMES[0]]).layer_ids == [1, 2, 3]  # the same facts as tokenize: no complaint
+
+
+# -- the stages that read the target through the facts ---------------------------------------------------
+
+
+@pytest.fixture
+def handed_target(demo_config, monkeypatch, tmp_path):
+    """(config, facts): a config whose server.model no local folder or cache holds (offline, an empty hub
+    cache), and its facts with target_path handed down pointing at a tiny build's folder. A stage that
+    resolved the config's model itself would fail with ModelNotFoundError; one that reads the facts works."""
+
+    def make(arch: str, *sets: str, **facts_update):
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        config = demo_config('server.model="acme/not-cached"', *sets)
+        alone = RunFacts.resolve(config)
+        with pytest.raises(ModelNotFoundError, match="acme/not-cached"):
+            alone.model_dir()
+        return config, alone.model_copy(update={"target_path": str(ensure_tiny(arch)), **facts_update})
+
+    return make
+
+
+def test_self_prompts_plan_reads_the_target_template_through_the_facts(handed_target, demo_config):
+    """The prefixes come from the handed folder's chat template (Qwen3's), not from tokenize.tokenizer
+    (a Llama tokenizer here): the server renders the target's template."""
+    from eagle3.prepare.self_prompts import make_plan
+
+    source = 'data.source="self:prompts"'
+    _, facts = handed_target("qwen3", source, 'tokenize.tokenizer="tiny:llama"')
+    assert facts.tokenizer()[0] == str(ensure_tiny("llama"))
+    plan = make_plan(facts)
+    reference = make_plan(RunFacts.resolve(demo_config(source)))  # the demo's target is tiny:qwen3 itself
+    assert plan.prefixes == reference.prefixes and plan.prefixes[0].stop == "<|im_end|>"
+    assert plan.model == "acme/not-cached"  # the plan's key still names the configured model
