@@ -103,6 +103,7 @@ def test_eagle_layout_through_export_and_evaluate_next_to_ngram_and_no_speculati
     from eagle3.export.stage import run_export
     from eagle3.manifest import read_manifest
     from eagle3.report import write_report
+    from eagle3.run_facts import RunFacts
     from eagle3.tiny import ensure_tiny
 
     run = tmp_path / "run"
@@ -139,7 +140,8 @@ def test_eagle_layout_through_export_and_evaluate_next_to_ngram_and_no_speculati
         "evaluate.ngram_prompt_lookup_min=1",
     )  # the tiny model's word salad rarely repeats 2-grams
 
-    assert set(run_export(config)["paths"]) == {"vllm"}
+    facts = RunFacts.resolve(config)
+    assert set(run_export(facts)["paths"]) == {"vllm"}
     exported = json.loads((run / "export" / "vllm" / "config.json").read_text())
     assert exported["norm_before_fc"] is exported["norm_output"] is exported["eagle_config"]["norm_before_fc"] is True
     entry = run_evaluate(config, logger=log)

@@ -159,3 +159,18 @@ def test_self_prompts_plan_reads_the_target_template_through_the_facts(handed_ta
     reference = make_plan(RunFacts.resolve(demo_config(source)))  # the demo's target is tiny:qwen3 itself
     assert plan.prefixes == reference.prefixes and plan.prefixes[0].stop == "<|im_end|>"
     assert plan.model == "acme/not-cached"  # the plan's key still names the configured model
+
+
+def test_export_reads_the_target_folder_and_depth_through_the_facts(handed_target):
+    """The layouts are written against the handed folder; the depth the layouts are checked against is the
+    facts' (3 here, the folder's config says 4: SGLang's aux ids 1..2 then leave layer 3 out)."""
+    from eagle3.export.layouts import write_untrained_checkpoint
+    from eagle3.export.stage import run_export
+
+    formats = 'export.formats=["vllm", "sglang", "speculators"]'
+    config, facts = handed_target("llama", formats, target_layers=3, target_hidden=128)
+    llama = facts.model_dir()
+    write_untrained_checkpoint(llama, Path(config.run_dir) / "checkpoints" / "step-000001", aux_layer_ids=[1, 2, 3])
+    entry = run_export(facts)
+    assert entry["target"] == llama and set(entry["paths"]) == {"vllm", "speculators"}
+    assert "only ids 1..2 exist there" in " ".join(entry["skipped"]["sglang"])
