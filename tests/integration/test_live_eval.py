@@ -144,7 +144,7 @@ def test_eagle_layout_through_export_and_evaluate_next_to_ngram_and_no_speculati
     assert set(run_export(facts)["paths"]) == {"vllm"}
     exported = json.loads((run / "export" / "vllm" / "config.json").read_text())
     assert exported["norm_before_fc"] is exported["norm_output"] is exported["eagle_config"]["norm_before_fc"] is True
-    entry = run_evaluate(config, logger=log)
+    entry = run_evaluate(facts, logger=log)
 
     doc = json.loads((run / "evaluate" / "live.json").read_text())
     cells = {(c["method"], c["prompt_set"], c["temperature"]): c for c in doc["cells"]}
@@ -214,6 +214,7 @@ def test_eagle_layout_through_export_and_evaluate_next_to_ngram_and_no_speculati
 def test_speculators_layout_serves_side_by_side_in_rounds(tmp_path):
     from eagle3.evaluate.live import measure_live
     from eagle3.export.layouts import export_checkpoint, validate_export, write_untrained_checkpoint
+    from eagle3.run_facts import RunFacts
     from eagle3.tiny import ensure_tiny
 
     target = ensure_tiny("qwen3")
@@ -234,7 +235,7 @@ def test_speculators_layout_serves_side_by_side_in_rounds(tmp_path):
         'evaluate.servers="side_by_side"',
     )
 
-    doc = measure_live(config, folder, out_dir=tmp_path / "out", logger=log)
+    doc = measure_live(RunFacts.resolve(config), folder, out_dir=tmp_path / "out", logger=log)
 
     print("\nspeculators layout (identity vocab):", json.dumps(doc["cells"], indent=1)[:3000])
     assert len(doc["server_starts"]) == 1, "side by side: one start, kept for both rounds"

@@ -161,7 +161,7 @@ def _stage_calls():
         "vocab": lambda c, facts: run_vocab(facts, [shard]),
         "train": lambda c, facts: run_train(facts, [shard]),
         "export": lambda c, facts: run_export(facts),
-        "evaluate": lambda c, facts: run_evaluate(c),
+        "evaluate": lambda c, facts: run_evaluate(facts),
     }
 
 

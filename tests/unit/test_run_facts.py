@@ -174,3 +174,20 @@ def test_export_reads_the_target_folder_and_depth_through_the_facts(handed_targe
     entry = run_export(facts)
     assert entry["target"] == llama and set(entry["paths"]) == {"vllm", "speculators"}
     assert "only ids 1..2 exist there" in " ".join(entry["skipped"]["sglang"])
+
+
+def test_evaluate_serves_and_builds_from_the_target_folder_of_the_facts(handed_target, tmp_path):
+    """Every method's server loads the handed folder (told the configured name), and the untrained drafter
+    is built from the same folder."""
+    from eagle3.evaluate import servers
+    from eagle3.export.layouts import export_checkpoint, validate_export, write_untrained_checkpoint
+
+    _, facts = handed_target("qwen3")
+    qwen3 = facts.model_dir()
+    managed = servers.make_server(facts, "none", None, tmp_path / "server.log", None)
+    assert (managed.model, managed.served_model_name) == (qwen3, "acme/not-cached")
+    assert qwen3 in managed.argv
+    ckpt = write_untrained_checkpoint(qwen3, tmp_path / "ckpt", aux_layer_ids=[1, 2, 3])
+    trained = export_checkpoint(ckpt, qwen3, tmp_path / "export", ["vllm"])["vllm"]
+    untrained = servers.build_untrained(facts, Path(trained), tmp_path / "out")
+    assert validate_export(untrained, "vllm", qwen3) == []
