@@ -40,6 +40,7 @@ from eagle3.durable import atomic_write_json, read_json  # noqa: E402
 from eagle3.evaluate import intervals, matrix, measure, servers  # noqa: E402
 from eagle3.evaluate.ngram_sim import replay  # noqa: E402
 from eagle3.evaluate.prompts import suite_prompts  # noqa: E402
+from eagle3.run_facts import RunFacts  # noqa: E402
 
 GRID_MIN = (1, 2, 3)
 GRID_MAX = (2, 3, 4, 5, 8)
@@ -49,7 +50,7 @@ log = logging.getLogger("bench_free_speculators")
 
 def _measure(config, name: str, spec: dict | None, prompts: list[dict], work: Path) -> dict:
     """Start a server with ``spec``, send ``prompts`` one at a time; per-prompt rows, ids, decode rate."""
-    managed = servers.make_server(config, "none", spec, work / f"server-{name}.log", log)
+    managed = servers.make_server(RunFacts.resolve(config), "none", spec, work / f"server-{name}.log", log)
     began = time.monotonic()
     managed.start()
     try:

@@ -102,11 +102,12 @@ def live_table(config, run_dir: Path, fresh: bool) -> dict:
     measured now with this config into RUN/benchmark/live.json (the drafter the run exported)."""
     from eagle3.durable import atomic_write_json, read_json
     from eagle3.evaluate.live import measure_live
+    from eagle3.run_facts import RunFacts
 
     if not fresh:
         return read_json(run_dir / "evaluate" / "live.json")
     out = run_dir / "benchmark"
-    doc = measure_live(config, run_dir / "export" / "vllm", out_dir=out)
+    doc = measure_live(RunFacts.resolve(config), run_dir / "export" / "vllm", out_dir=out)
     atomic_write_json(out / "live.json", doc)
     return doc
 

@@ -18,6 +18,5 @@ from tasks.evaluate import evaluate_task
     ),
 )
 def evaluate_flow(config: PipelineConfig = PipelineConfig(), facts: RunFacts | None = None) -> dict:
-    if facts is not None:  # handed down: refused when resolved for another config; alone: nothing to resolve
-        RunFacts.of(config, facts)  # the stage reads only its own folders and the config; foreign facts are refused
-    return evaluate_task(config)
+    facts = RunFacts.of(config, facts)  # every server serves the target's folder they name
+    return evaluate_task(facts)

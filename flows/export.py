@@ -17,6 +17,5 @@ from tasks.export import export_task
     ),
 )
 def export_flow(config: PipelineConfig = PipelineConfig(), facts: RunFacts | None = None) -> dict:
-    if facts is not None:  # handed down: refused when resolved for another config; alone: nothing to resolve
-        RunFacts.of(config, facts)  # the stage reads only its own folders and the config; foreign facts are refused
-    return export_task(config)
+    facts = RunFacts.of(config, facts)  # the target's folder and depth come from them
+    return export_task(facts)

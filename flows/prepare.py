@@ -31,10 +31,9 @@ async def _written_by_target(config: PipelineConfig, plan: Plan) -> dict | None:
     description="Load, normalise, de-duplicate and shard the prompts (or have the target write them).",
 )
 def prepare_flow(config: PipelineConfig = PipelineConfig(), facts: RunFacts | None = None) -> PrepareResult:
-    if facts is not None:  # handed down: refused when resolved for another config; alone: nothing to resolve
-        RunFacts.of(config, facts)  # prepare reads the config alone (its self-prompt plan, the target's template)
+    facts = RunFacts.of(config, facts)  # self-prompts read the target's folder (its chat template) through them
     if is_self_source(config.data.source):
-        plan = self_prompts_plan_task(config)
+        plan = self_prompts_plan_task(facts)
         if marker_current(config, plan) is None:
             # A sync flow (its callers, deployments and tests call it so): the server and the requests
             # are async, so they run on an event loop of their own thread.

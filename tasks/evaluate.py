@@ -9,7 +9,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from eagle3.config import PipelineConfig
+from eagle3.run_facts import RunFacts
 
 
 def _fmt(value, digits: int = 3) -> str:
@@ -40,12 +40,12 @@ def comparison_markdown(doc: dict) -> str:
 
 
 @task(name="evaluate-live", cache_policy=NO_CACHE)
-def evaluate_task(config: PipelineConfig):
+def evaluate_task(facts: RunFacts):
     from eagle3.evaluate.live import run_evaluate
     from eagle3.evaluate.table import cell_row
     from eagle3.results import EvaluateStageResult
 
-    entry = run_evaluate(config, logger=get_run_logger())
+    entry = run_evaluate(facts, logger=get_run_logger())
     doc = entry["live"]
     create_table_artifact(
         key="evaluate-live",

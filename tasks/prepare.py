@@ -12,6 +12,7 @@ from eagle3.config import PipelineConfig
 from eagle3.manifest import read_manifest
 from eagle3.prepare.self_prompts import Plan, collect, make_plan
 from eagle3.prepare.stage import PrepareResult, run_prepare
+from eagle3.run_facts import RunFacts
 from eagle3.serving.client import EndpointPool, deadline_s
 from eagle3.serving.target import Target, outage_wait_s, replica_events
 
@@ -37,9 +38,9 @@ def prepare_task(config: PipelineConfig) -> PrepareResult:
 
 
 @task(name="self-prompts-plan", cache_policy=NO_CACHE)
-def self_prompts_plan_task(config: PipelineConfig) -> Plan:
+def self_prompts_plan_task(facts: RunFacts) -> Plan:
     """Where a user turn starts and ends in the target's chat template (one prefix per system prompt)."""
-    plan = make_plan(config)
+    plan = make_plan(facts)
     for turn in plan.prefixes:
         get_run_logger().info(
             "self_prompts: prefix %r, turn ends at %r (stop token ids %s)",

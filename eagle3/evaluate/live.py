@@ -8,7 +8,7 @@ Design choices:
 - Decode tokens/s is defined once, in measure.py; acceptance comes from vLLM's own counters
   (metrics.py). The speed-up over no speculation is the headline: acceptance lengths of
   different speculators are not counted alike (n-gram's only counts the steps it proposed).
-- ``measure_live(config, drafter_dir, out_dir=...)`` returns the whole table as a dict; the
+- ``measure_live(facts, drafter_dir, out_dir=...)`` returns the whole table as a dict; the
   stage (``run_evaluate``) writes it to RUN/evaluate/live.json, records the manifest entry and
   fails loudly when a cell got no answer or a drafter never drafted.
 """
@@ -31,6 +31,7 @@ from eagle3.evaluate.prompts import MissingInput, prompt_sets, select_prompts  #
 from eagle3.layout import RunLayout
 from eagle3.manifest import record_stage, versions
 from eagle3.results import StageCounts
+from eagle3.run_facts import RunFacts
 
 STAGE = "evaluate"
 
@@ -39,7 +40,7 @@ def temperatures(config: PipelineConfig) -> list[float]:
     return matrix.temperatures(config)
 
 
-def _drafters(config: PipelineConfig, methods: list[str], drafter_dir, out: Path, logger) -> dict[str, Path]:
+def _drafters(facts: RunFacts, methods: list[str], drafter_dir, out: Path, logger) -> dict[str, Path]:
     if not any(m in servers.DRAFTER_METHODS for m in methods):
         return {}
     if drafter_dir is None or not (Path(drafter_dir) / "config.json").exists():
@@ -48,7 +49,7 @@ def _drafters(config: PipelineConfig, methods: list[str], drafter_dir, out: Path
         raise MissingInputError(STAGE, drafter_dir, run_first("eagle3 export"), problem)
     found = {"trained": Path(drafter_dir)}
     if any(servers.base_method(m) == "untrained" for m in methods):
-        found["untrained"] = servers.build_untrained(config, Path(drafter_dir), out, logger)
+        found["untrained"] = servers.build_untrained(facts, Path(drafter_dir), out, logger)
     return found
 
 
@@ -91,11 +92,13 @@ def headline(doc: dict, temperature: float | None = None) -> dict:
     }
 
 
-def measure_live(config: PipelineConfig, drafter_dir: str | Path | None, *, out_dir: str | Path, logger=None) -> dict:
+def measure_live(facts: RunFacts, drafter_dir: str | Path | None, *, out_dir: str | Path, logger=None) -> dict:
     """The live comparison table as a dict (what RUN/evaluate/live.json holds).
 
-    ``drafter_dir``: the trained drafter in the vllm (EAGLE) layout, or None when no drafter
-    method is measured. ``out_dir``: server logs and the untrained drafter go there."""
+    ``facts``: the run's, whose target every server serves. ``drafter_dir``: the trained drafter in the
+    vllm (EAGLE) layout, or None when no drafter method is measured. ``out_dir``: server logs and the
+    untrained drafter go there."""
+    config = facts.config
     log = logger or logging.getLogger(__name__)
     ev, out = config.evaluate, Path(out_dir)
     servers.check_server_args(config.server.args)
@@ -108,10 +111,10 @@ def measure_live(config: PipelineConfig, drafter_dir: str | Path | None, *, out_
     for name, info in sets.items():
         if info["selection"].get("note"):
             log.warning("evaluate prompt set %s: %s", name, info["selection"]["note"])
-    drafters = _drafters(config, methods, drafter_dir, out, log)
+    drafters = _drafters(facts, methods, drafter_dir, out, log)
     specs = {m: servers.speculative_config(m, config, drafters) for m in methods}
     began = time.monotonic()
-    visits, starts = matrix.run_matrix(config, specs, sets, out, log)
+    visits, starts = matrix.run_matrix(facts, specs, sets, out, log)
     doc = {
         "target": config.server.model,
         "drafter": str(Path(drafter_dir).resolve()) if drafter_dir else None,
@@ -200,16 +203,17 @@ def _by_temperature(cells: list[dict], method: str, key: str, where: dict) -> di
     return rows or None
 
 
-def run_evaluate(config: PipelineConfig, logger=None) -> dict:
-    """Measure RUN/export/vllm live; write RUN/evaluate/live.json and the manifest entry."""
-    layout = RunLayout.of(config)
+def run_evaluate(facts: RunFacts, logger=None) -> dict:
+    """Measure RUN/export/vllm live (the servers serve the run's target, from the facts); write
+    RUN/evaluate/live.json and the manifest entry."""
+    config, layout = facts.config, facts.layout
     drafter = layout.export_layout("vllm")
     wants_drafter = any(m in servers.DRAFTER_METHODS for m in matrix.methods_of(config))
     if wants_drafter and not (drafter / "config.json").exists():
         hint = "run `eagle3 export` first (export.formats must include vllm)"
         raise MissingInputError(STAGE, drafter, hint, "holds no exported drafter")
     out = layout.evaluate
-    doc = measure_live(config, drafter if wants_drafter else None, out_dir=out, logger=logger)
+    doc = measure_live(facts, drafter if wants_drafter else None, out_dir=out, logger=logger)
     info_path = drafter / "export_info.json"
     doc.update(
         {

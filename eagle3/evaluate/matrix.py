@@ -36,6 +36,7 @@ from functools import reduce
 from pathlib import Path
 
 from eagle3.evaluate import measure, metrics, servers
+from eagle3.run_facts import RunFacts
 
 ACCEPTANCE_SOURCE = {
     "none": "1 by definition: no speculation, one token per target step",
@@ -84,9 +85,10 @@ def request_timeout_s(config) -> float:
 class ServerSet:
     """The servers of the methods, started and stopped as ``strategy`` says; always stopped on exit."""
 
-    def __init__(self, config, specs: dict[str, dict | None], out: Path, warm_prompt: dict, logger):
-        self.config, self.specs, self.out, self.warm_prompt, self.log = config, specs, out, warm_prompt, logger
-        self.strategy = config.evaluate.servers
+    def __init__(self, facts: RunFacts, specs: dict[str, dict | None], out: Path, warm_prompt: dict, logger):
+        self.facts, self.config = facts, facts.config
+        self.specs, self.out, self.warm_prompt, self.log = specs, out, warm_prompt, logger
+        self.strategy = self.config.evaluate.servers
         self.running: dict[str, object] = {}
         self.starts: list[dict] = []
         self._current: tuple[int, str] | None = None
@@ -104,7 +106,7 @@ class ServerSet:
 
     def _start(self, round_index: int, method: str):
         managed = servers.make_server(
-            self.config, method, self.specs[method], self.out / f"server-{method}.log", self.log
+            self.facts, method, self.specs[method], self.out / f"server-{method}.log", self.log
         )
         began = time.monotonic()
         managed.start()
@@ -203,15 +205,16 @@ def _digest(ids: list[int] | None) -> str | None:
 
 
 def run_matrix(
-    config, specs: dict[str, dict | None], sets: dict[str, dict], out: Path, logger
+    facts: RunFacts, specs: dict[str, dict | None], sets: dict[str, dict], out: Path, logger
 ) -> tuple[list[dict], list[dict]]:
     """Every visit, in alternation order; (visit records, server starts)."""
+    config = facts.config
     ev = config.evaluate
     methods = list(specs)
     cells = list(itertools.product(list(sets), temperatures(config), list(dict.fromkeys(ev.concurrencies))))
     warm = next(iter(sets.values()))["prompts"][0]
     visits = []
-    with ServerSet(config, specs, out, warm, logger) as pool, servers.metrics_client() as probe:
+    with ServerSet(facts, specs, out, warm, logger) as pool, servers.metrics_client() as probe:
         for round_index, method, cell in visit_order(methods, cells, ev.rounds, ev.servers):
             managed = pool.get(round_index, method)
             prompts = sets[cell[0]]["prompts"]

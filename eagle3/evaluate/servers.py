@@ -30,6 +30,7 @@ from pathlib import Path
 import httpx
 
 from eagle3.evaluate.errors import EvaluationFailed
+from eagle3.run_facts import RunFacts
 
 BASE_METHODS = ("none", "ngram", "suffix", "untrained", "trained")
 # What a user gets without training: the baselines a drafter's speed-up is divided by (speedup_vs_best_free).
@@ -90,13 +91,14 @@ def check_server_args(args: list[str]) -> None:
         raise ValueError("server.args already sets --speculative-config; evaluate sets it per method")
 
 
-def make_server(config, method: str, spec: dict | None, log_path: Path, logger):
-    """A ManagedServer (not started) serving the target with ``spec``."""
-    from eagle3.models import resolve_model, served_name, vllm_args, vllm_launcher
+def make_server(facts: RunFacts, method: str, spec: dict | None, log_path: Path, logger):
+    """A ManagedServer (not started) serving the run's target (``facts.model_dir()``) with ``spec``."""
+    from eagle3.models import served_name, vllm_args, vllm_launcher
     from eagle3.serving.managed import ManagedServer
 
+    config = facts.config
     server = config.server
-    model = resolve_model(server.model)
+    model = facts.model_dir()
     suffix_python = config.evaluate.suffix_python if base_method(method) == "suffix" else None
     command = vllm_launcher(server.model_copy(update={"python": suffix_python}) if suffix_python else server)
     extra = [
@@ -154,16 +156,17 @@ def group_cpu_seconds(managed) -> float | None:
     return total
 
 
-def build_untrained(config, drafter: Path, out: Path, logger=None) -> Path:
-    """Export an untrained drafter with ``drafter``'s draft vocabulary and aux layers; its vllm folder."""
+def build_untrained(facts: RunFacts, drafter: Path, out: Path, logger=None) -> Path:
+    """Export an untrained drafter with ``drafter``'s draft vocabulary and aux layers for the run's target
+    (``facts.model_dir()``: its embedding and lm_head rows); its vllm folder."""
     import numpy as np
     from safetensors import safe_open
 
     from eagle3.durable import read_json
     from eagle3.export.layouts import export_checkpoint, write_untrained_checkpoint
-    from eagle3.models import resolve_model
 
-    target = resolve_model(config.server.model)
+    config = facts.config
+    target = facts.model_dir()
     exported = read_json(drafter / "config.json")
     layers = (
         exported.get("eagle_aux_hidden_state_layer_ids") or exported["eagle_config"]["eagle_aux_hidden_state_layer_ids"]

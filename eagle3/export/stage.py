@@ -31,9 +31,7 @@ from eagle3.export.layouts import (
     WEIGHTS,
     ExportError,
     export_checkpoint,
-    read_target_config,
     source_fingerprint,
-    text_config,
     unsupported_reasons,
     validate_export,
 )
@@ -41,6 +39,7 @@ from eagle3.layout import RunLayout
 from eagle3.manifest import record_stage, versions
 from eagle3.markers import read_marker, remove_marker, write_marker
 from eagle3.results import StageCounts
+from eagle3.run_facts import RunFacts
 
 STAGE = "export"
 _STEP = re.compile(r"step-(\d+)")
@@ -93,18 +92,19 @@ def _done_layouts(layout: RunLayout, key: str) -> set[str]:
     return set(marker["paths"]) if marker is not None and marker.key == key else set()
 
 
-def run_export(config: PipelineConfig, logger=None) -> dict:
-    """Export the run's checkpoint in ``export.formats`` under RUN/export/; the manifest entry plus paths."""
+def run_export(facts: RunFacts, logger=None) -> dict:
+    """Export the run's checkpoint in ``export.formats`` under RUN/export/; the manifest entry plus paths.
+    The target (its folder, its depth) is the run's facts'."""
     from eagle3.drafter.model import DrafterConfig
-    from eagle3.models import resolve_model
 
+    config = facts.config
     log = logger or logging.getLogger(__name__)
     formats = list(dict.fromkeys(config.export.formats))
     ckpt, step, chosen = find_checkpoint(config.run_dir)
-    target = resolve_model(config.server.model)
+    target = facts.model_dir()
     num_tokens = config.evaluate.num_speculative_tokens
     drafter = DrafterConfig.load(ckpt / CKPT_CONFIG)
-    layers = int(text_config(read_target_config(target))["num_hidden_layers"])
+    layers = facts.target_shape()[0]
     skipped = {f: r for f in formats if (r := unsupported_reasons(f, drafter, layers))}
     for layout, reasons in skipped.items():
         log.warning("export: skipping the %s layout: %s", layout, "; ".join(reasons))

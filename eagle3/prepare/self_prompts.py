@@ -52,6 +52,7 @@ from eagle3.prepare.dedup import NearDuplicates
 from eagle3.prepare.turn_prefix import TurnPrefix, derive_all
 from eagle3.records import JsonlAppender, iter_records
 from eagle3.results import StageCounts
+from eagle3.run_facts import RunFacts
 from eagle3.serving.client import EndpointPool, Stats, request_with_retries
 from eagle3.tokenizer import load_tokenizer
 
@@ -89,13 +90,13 @@ class Plan:
     key: str
 
 
-def make_plan(config: PipelineConfig) -> Plan:
-    """Derive each system prompt's prefix from the target's own chat template (loads its tokenizer)."""
-    from eagle3.models import resolve_model
-
+def make_plan(facts: RunFacts) -> Plan:
+    """Derive each system prompt's prefix from the target's own chat template (loads the tokenizer of
+    the target's folder, ``facts.model_dir()``: the template the server renders, whatever
+    tokenize.tokenizer names)."""
+    config = facts.config
     sp = config.data.self_prompts
-    path = resolve_model(config.server.model)
-    prefixes = tuple(derive_all(load_tokenizer(path), list(sp.system_prompts), config.server.model))
+    prefixes = tuple(derive_all(load_tokenizer(facts.model_dir()), list(sp.system_prompts), config.server.model))
     decides = {
         "model": config.server.model,
         "prefixes": [asdict(p) for p in prefixes],

@@ -103,6 +103,7 @@ def test_eagle_layout_through_export_and_evaluate_next_to_ngram_and_no_speculati
     from eagle3.export.stage import run_export
     from eagle3.manifest import read_manifest
     from eagle3.report import write_report
+    from eagle3.run_facts import RunFacts
     from eagle3.tiny import ensure_tiny
 
     run = tmp_path / "run"
@@ -139,10 +140,11 @@ def test_eagle_layout_through_export_and_evaluate_next_to_ngram_and_no_speculati
         "evaluate.ngram_prompt_lookup_min=1",
     )  # the tiny model's word salad rarely repeats 2-grams
 
-    assert set(run_export(config)["paths"]) == {"vllm"}
+    facts = RunFacts.resolve(config)
+    assert set(run_export(facts)["paths"]) == {"vllm"}
     exported = json.loads((run / "export" / "vllm" / "config.json").read_text())
     assert exported["norm_before_fc"] is exported["norm_output"] is exported["eagle_config"]["norm_before_fc"] is True
-    entry = run_evaluate(config, logger=log)
+    entry = run_evaluate(facts, logger=log)
 
     doc = json.loads((run / "evaluate" / "live.json").read_text())
     cells = {(c["method"], c["prompt_set"], c["temperature"]): c for c in doc["cells"]}
@@ -212,6 +214,7 @@ def test_eagle_layout_through_export_and_evaluate_next_to_ngram_and_no_speculati
 def test_speculators_layout_serves_side_by_side_in_rounds(tmp_path):
     from eagle3.evaluate.live import measure_live
     from eagle3.export.layouts import export_checkpoint, validate_export, write_untrained_checkpoint
+    from eagle3.run_facts import RunFacts
     from eagle3.tiny import ensure_tiny
 
     target = ensure_tiny("qwen3")
@@ -232,7 +235,7 @@ def test_speculators_layout_serves_side_by_side_in_rounds(tmp_path):
         'evaluate.servers="side_by_side"',
     )
 
-    doc = measure_live(config, folder, out_dir=tmp_path / "out", logger=log)
+    doc = measure_live(RunFacts.resolve(config), folder, out_dir=tmp_path / "out", logger=log)
 
     print("\nspeculators layout (identity vocab):", json.dumps(doc["cells"], indent=1)[:3000])
     assert len(doc["server_starts"]) == 1, "side by side: one start, kept for both rounds"

@@ -124,6 +124,7 @@ def test_the_target_writes_prompts_through_completions(server, tmp_path):
 
     from eagle3.config import DEMO_RECIPE, load_config
     from eagle3.prepare.self_prompts import collect, make_plan
+    from eagle3.run_facts import RunFacts
     from eagle3.serving.client import EndpointPool
 
     config = load_config(
@@ -142,7 +143,7 @@ def test_the_target_writes_prompts_through_completions(server, tmp_path):
             "generation.max_failure_fraction=0",
         ],
     )
-    plan = make_plan(config)
+    plan = make_plan(RunFacts.resolve(config))
 
     async def ask():
         pool = EndpointPool([server.base_url], server.api_key, 4, 60.0)

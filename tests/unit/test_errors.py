@@ -160,8 +160,8 @@ def _stage_calls():
         "tokenize": lambda c, facts: tokenize_shard(facts, shard, None),
         "vocab": lambda c, facts: run_vocab(facts, [shard]),
         "train": lambda c, facts: run_train(facts, [shard]),
-        "export": lambda c, facts: run_export(c),
-        "evaluate": lambda c, facts: run_evaluate(c),
+        "export": lambda c, facts: run_export(facts),
+        "evaluate": lambda c, facts: run_evaluate(facts),
     }
 
 

@@ -22,6 +22,7 @@ from eagle3.export.layouts import (
     validate_export,
     write_untrained_checkpoint,
 )
+from eagle3.run_facts import RunFacts
 from eagle3.tiny import ensure_tiny
 
 H, V, L = 128, 4096, 4
@@ -321,14 +322,15 @@ def test_run_export_picks_best_and_skips_sglang_for_qwen3(tmp_path, targets):
     from eagle3.manifest import read_manifest
 
     config = _run_config(tmp_path)
+    facts = RunFacts.resolve(config)
     ckpts = tmp_path / "run" / "checkpoints"
     with pytest.raises(MissingCheckpoint, match=str(ckpts)):
-        run_export(config)
+        run_export(facts)
     write_untrained_checkpoint(targets["qwen3"], ckpts / "step-000010", seed=1)
     write_untrained_checkpoint(targets["qwen3"], ckpts / "step-000020", seed=2)
     (ckpts / "step-000030").mkdir()  # a checkpoint being written: no files yet, never chosen
 
-    entry = run_export(config)
+    entry = run_export(facts)
     assert entry["step"] == 20 and entry["chosen_by"] == "highest step"
     assert set(entry["paths"]) == {"vllm", "speculators"} and set(entry["skipped"]) == {"sglang"}
     stage = read_manifest(tmp_path / "run")["stages"]["export"]
@@ -337,28 +339,29 @@ def test_run_export_picks_best_and_skips_sglang_for_qwen3(tmp_path, targets):
     (ckpts / "best.json").write_text(
         json.dumps({"step": 10, "path": str(ckpts / "step-000010"), "acceptance_length": 1.5})
     )
-    entry = run_export(config)
+    entry = run_export(facts)
     assert entry["step"] == 10 and entry["chosen_by"] == "best.json" and entry["reused"] == []
     exported = _tensors(Path(entry["paths"]["vllm"]))
     assert torch.equal(
         exported["fc.weight"],
         load_file(str(ckpts / "step-000010" / "model.safetensors"))["fc.weight"].to(torch.bfloat16),
     )
-    assert run_export(config)["reused"] == ["vllm", "speculators"]  # same bytes: kept
+    assert run_export(facts)["reused"] == ["vllm", "speculators"]  # same bytes: kept
 
     (ckpts / "best.json").write_text(
         json.dumps({"step": 40, "path": str(ckpts / "step-000040"), "acceptance_length": 2.0})
     )
     with pytest.raises(MissingCheckpoint, match="step-000040"):
-        run_export(config)
+        run_export(facts)
 
 
 def test_run_export_llama_all_layouts(tmp_path, targets):
     from eagle3.export.stage import run_export
 
     config = _run_config(tmp_path, "tiny:llama", 'export.formats=["vllm", "sglang", "speculators"]')
+    facts = RunFacts.resolve(config)
     write_untrained_checkpoint(targets["llama"], tmp_path / "run" / "checkpoints" / "step-000001", draft_ids=DRAFT_IDS)
-    entry = run_export(config)
+    entry = run_export(facts)
     assert set(entry["paths"]) == {"vllm", "sglang", "speculators"} and entry["skipped"] == {}
 
 
@@ -431,12 +434,13 @@ def test_run_export_records_an_invalid_export(tmp_path, targets, monkeypatch):
     from eagle3.manifest import read_manifest
 
     config = _run_config(tmp_path, "tiny:qwen3", 'export.formats=["vllm"]')
+    facts = RunFacts.resolve(config)
     write_untrained_checkpoint(targets["qwen3"], tmp_path / "run" / "checkpoints" / "step-000001")
     monkeypatch.setattr(
         stage, "validate_export", lambda folder, layout, target: ["fc.weight: shape (1,), expected (128, 384)"]
     )
     with pytest.raises(stage.InvalidExport, match="fc.weight"):
-        stage.run_export(config)
+        stage.run_export(facts)
     entry = read_manifest(tmp_path / "run")["stages"]["export"]
     assert entry["status"] == "failed" and (entry["in"], entry["ok"], entry["failed"]) == (1, 0, 1)
 
@@ -449,16 +453,17 @@ def test_the_export_marker_decides_what_is_reused(tmp_path, targets):
     from eagle3.markers import read_marker
 
     config = _run_config(tmp_path)
+    facts = RunFacts.resolve(config)
     ckpts = tmp_path / "run" / "checkpoints"
     write_untrained_checkpoint(targets["qwen3"], ckpts / "step-000010", seed=1)
-    assert run_export(config)["reused"] == []
+    assert run_export(facts)["reused"] == []
     marker = read_marker(tmp_path / "run" / "export" / "done.json", "export")
     assert set(marker["paths"]) == {"vllm", "speculators"} and marker.counts["filtered"] == 1 and marker.key
-    assert run_export(config)["reused"] == ["vllm", "speculators"]
+    assert run_export(facts)["reused"] == ["vllm", "speculators"]
     (tmp_path / "run" / "export" / "done.json").unlink()  # export_info.json alone no longer vouches
-    assert run_export(config)["reused"] == []
+    assert run_export(facts)["reused"] == []
     write_untrained_checkpoint(targets["qwen3"], ckpts / "step-000020", seed=2)  # new bytes: a new key
-    entry = run_export(config)
+    entry = run_export(facts)
     assert entry["reused"] == [] and entry["step"] == 20
     assert read_marker(tmp_path / "run" / "export" / "done.json", "export").key != marker.key
 

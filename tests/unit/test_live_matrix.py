@@ -10,6 +10,7 @@ import pytest
 
 from eagle3.evaluate import matrix, measure, metrics
 from eagle3.evaluate.measure import Streamed
+from eagle3.run_facts import RunFacts
 
 
 def _ok(tokens: int, first: int, decode_s: float, ttft: float = 0.5) -> Streamed:
@@ -383,8 +384,9 @@ def test_suffix_and_ngram_at_their_own_k_and_the_speedup_divides_by_the_fastest_
     plain = load_config(None, ['evaluate.methods=["ngram"]'])
     assert servers.speculative_config("ngram", plain, {})["num_speculative_tokens"] == 3  # equal K by default
     # suffix decoding is served by the interpreter that has arctic-inference; the rest by server.python
-    suffix = servers.make_server(cfg, "suffix", {"method": "suffix"}, tmp_path / "s.log", None)
-    none = servers.make_server(cfg, "none", None, tmp_path / "n.log", None)
+    facts = RunFacts.resolve(cfg)
+    suffix = servers.make_server(facts, "suffix", {"method": "suffix"}, tmp_path / "s.log", None)
+    none = servers.make_server(facts, "none", None, tmp_path / "n.log", None)
     assert suffix.argv[0] == "/venvs/suffix/bin/python" and none.argv[0] != "/venvs/suffix/bin/python"
 
     # none 5 tok/s, n-gram 10, suffix 12.5 (its compiled variant 14), trained 20: the best free is suffix_compiled

@@ -229,7 +229,7 @@ def test_extract_train_head_and_export_read_a_hub_id_through_the_cache(offline_c
     write_untrained_checkpoint(
         snapshot, tmp_path / "run" / "checkpoints" / "step-000001", draft_ids=list(range(0, 4096, 4))
     )
-    entry = run_export(config)
+    entry = run_export(RunFacts.resolve(config))
     assert set(entry["paths"]) == {"vllm", "speculators"} and entry["problems"] == {} and entry["target"] == snapshot
 
 
@@ -365,7 +365,7 @@ def test_a_tied_target_trains_and_exports(tied, tmp_path):
     )
     result = trainer.train()
     assert result["steps"] >= 2
-    entry = run_export(config)
+    entry = run_export(RunFacts.resolve(config))
     assert set(entry["paths"]) == {"vllm", "speculators"} and entry["problems"] == {}
 
     twin = write_untrained_checkpoint(tied, tmp_path / "twin", draft_ids=ids.tolist())

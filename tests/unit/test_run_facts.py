@@ -11,7 +11,7 @@ from conftest import ROOT
 from eagle3.errors import MissingInputError, UserError
 from eagle3.layout import RunLayout
 from eagle3.manifest import record_stage
-from eagle3.models import template_hash
+from eagle3.models import ModelNotFoundError, template_hash
 from eagle3.prepare.stage import run_prepare
 from eagle3.results import StageCounts
 from eagle3.run_facts import RunFacts
@@ -124,3 +124,70 @@ def test_a_stage_reads_its_inputs_through_the_facts_it_is_handed(tmp_path, prefe
     with pytest.raises(TokenizerMismatchError, match="the tokenizer changed between stages"):
         plan(true, [NAMES[0]])
     assert plan(handed, [NAMES[0]]).layer_ids == [1, 2, 3]  # the same facts as tokenize: no complaint
+
+
+# -- the stages that read the target through the facts ---------------------------------------------------
+
+
+@pytest.fixture
+def handed_target(demo_config, monkeypatch, tmp_path):
+    """(config, facts): a config whose server.model no local folder or cache holds (offline, an empty hub
+    cache), and its facts with target_path handed down pointing at a tiny build's folder. A stage that
+    resolved the config's model itself would fail with ModelNotFoundError; one that reads the facts works."""
+
+    def make(arch: str, *sets: str, **facts_update):
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        config = demo_config('server.model="acme/not-cached"', *sets)
+        alone = RunFacts.resolve(config)
+        with pytest.raises(ModelNotFoundError, match="acme/not-cached"):
+            alone.model_dir()
+        return config, alone.model_copy(update={"target_path": str(ensure_tiny(arch)), **facts_update})
+
+    return make
+
+
+def test_self_prompts_plan_reads_the_target_template_through_the_facts(handed_target, demo_config):
+    """The prefixes come from the handed folder's chat template (Qwen3's), not from tokenize.tokenizer
+    (a Llama tokenizer here): the server renders the target's template."""
+    from eagle3.prepare.self_prompts import make_plan
+
+    source = 'data.source="self:prompts"'
+    _, facts = handed_target("qwen3", source, 'tokenize.tokenizer="tiny:llama"')
+    assert facts.tokenizer()[0] == str(ensure_tiny("llama"))
+    plan = make_plan(facts)
+    reference = make_plan(RunFacts.resolve(demo_config(source)))  # the demo's target is tiny:qwen3 itself
+    assert plan.prefixes == reference.prefixes and plan.prefixes[0].stop == "<|im_end|>"
+    assert plan.model == "acme/not-cached"  # the plan's key still names the configured model
+
+
+def test_export_reads_the_target_folder_and_depth_through_the_facts(handed_target):
+    """The layouts are written against the handed folder; the depth the layouts are checked against is the
+    facts' (3 here, the folder's config says 4: SGLang's aux ids 1..2 then leave layer 3 out)."""
+    from eagle3.export.layouts import write_untrained_checkpoint
+    from eagle3.export.stage import run_export
+
+    formats = 'export.formats=["vllm", "sglang", "speculators"]'
+    config, facts = handed_target("llama", formats, target_layers=3, target_hidden=128)
+    llama = facts.model_dir()
+    write_untrained_checkpoint(llama, Path(config.run_dir) / "checkpoints" / "step-000001", aux_layer_ids=[1, 2, 3])
+    entry = run_export(facts)
+    assert entry["target"] == llama and set(entry["paths"]) == {"vllm", "speculators"}
+    assert "only ids 1..2 exist there" in " ".join(entry["skipped"]["sglang"])
+
+
+def test_evaluate_serves_and_builds_from_the_target_folder_of_the_facts(handed_target, tmp_path):
+    """Every method's server loads the handed folder (told the configured name), and the untrained drafter
+    is built from the same folder."""
+    from eagle3.evaluate import servers
+    from eagle3.export.layouts import export_checkpoint, validate_export, write_untrained_checkpoint
+
+    _, facts = handed_target("qwen3")
+    qwen3 = facts.model_dir()
+    managed = servers.make_server(facts, "none", None, tmp_path / "server.log", None)
+    assert (managed.model, managed.served_model_name) == (qwen3, "acme/not-cached")
+    assert qwen3 in managed.argv
+    ckpt = write_untrained_checkpoint(qwen3, tmp_path / "ckpt", aux_layer_ids=[1, 2, 3])
+    trained = export_checkpoint(ckpt, qwen3, tmp_path / "export", ["vllm"])["vllm"]
+    untrained = servers.build_untrained(facts, Path(trained), tmp_path / "out")
+    assert validate_export(untrained, "vllm", qwen3) == []

@@ -21,6 +21,7 @@ from eagle3.prepare import self_prompts as sp_mod
 from eagle3.prepare.dedup import NearDuplicates, band_rows
 from eagle3.prepare.self_prompts import SelfPromptsError, collect, make_plan
 from eagle3.prepare.turn_prefix import derive, derive_all
+from eagle3.run_facts import RunFacts
 from eagle3.serving.client import EndpointPool
 from fake_openai import FakeConfig, FaultRule, run_fake_server, vocabulary
 
@@ -77,7 +78,7 @@ def config(tmp_path: Path, *sets: str):
 
 
 async def _collect(cfg, url, plan=None):
-    plan = plan or make_plan(cfg)
+    plan = plan or make_plan(RunFacts.resolve(cfg))
     pool = EndpointPool([url], None, cfg.data.self_prompts.concurrency, 10.0)
     try:
         return await collect(cfg, plan, pool, "fake-target")
@@ -339,7 +340,7 @@ def test_marker_holds_across_concurrency_but_not_count(tmp_path):
     with run_fake_server(FakeConfig(completion_script=SCRIPT)) as srv:
         cfg = config(tmp_path, "data.self_prompts.count=4")
         asyncio.run(_collect(cfg, srv.base_url))
-    plan = make_plan(cfg)
+    plan = make_plan(RunFacts.resolve(cfg))
     assert sp_mod.marker_current(cfg, plan) is not None
     assert (
         sp_mod.marker_current(config(tmp_path, "data.self_prompts.count=4", "data.self_prompts.concurrency=3"), plan)
@@ -359,7 +360,7 @@ def test_prepare_refuses_self_source_before_the_prompts_are_written(tmp_path):
 
 def test_requests_carry_the_turn_stop_and_distinct_seeds(tmp_path):
     cfg = config(tmp_path, "data.self_prompts.seed=100")
-    plan = make_plan(cfg)
+    plan = make_plan(RunFacts.resolve(cfg))
     bodies = [sp_mod.request_body(plan, cfg.data.self_prompts, i, "m") for i in range(3)]
     assert [b["seed"] for b in bodies] == [100, 103, 106]  # vLLM seeds the n=3 samples seed..seed+2
     assert all(b["stop"] == ["<|im_end|>"] and b["stop_token_ids"] and b["add_special_tokens"] is False for b in bodies)
@@ -367,6 +368,7 @@ def test_requests_carry_the_turn_stop_and_distinct_seeds(tmp_path):
 
 def test_unseeded_requests_send_no_seed_and_get_their_own_request_file(tmp_path):
     seeded, unseeded = config(tmp_path), config(tmp_path, "data.self_prompts.seeded=false")
-    assert "seed" not in sp_mod.request_body(make_plan(unseeded), unseeded.data.self_prompts, 2, "m")
+    plan, unseeded_plan = make_plan(RunFacts.resolve(seeded)), make_plan(RunFacts.resolve(unseeded))
+    assert "seed" not in sp_mod.request_body(unseeded_plan, unseeded.data.self_prompts, 2, "m")
     assert sp_mod.request_seed(unseeded.data.self_prompts, 2) is None
-    assert make_plan(seeded).key != make_plan(unseeded).key  # answers drawn another way are never mixed
+    assert plan.key != unseeded_plan.key  # answers drawn another way are never mixed
