@@ -167,6 +167,11 @@ def plot(points: dict, summary: dict, path: Path) -> None:
     for t in TARGETS:
         ax.axhline(t, color="grey", lw=0.8, ls=":")
         ax.text(tokens[0] / 1.4, t + 0.02, f"tau {t}", color="grey", fontsize=8)
+    free = results_file.RESULTS / "free_speculators.json"
+    ngram = read_json(free)["summary"].get("acceptance_length_ngram_best") if free.exists() else None
+    if ngram:  # the free speculator the drafter has to beat, measured on the same suite
+        ax.axhline(ngram, color="tab:red", lw=0.8, ls="-.")
+        ax.text(tokens[0] / 1.4, ngram + 0.02, f"n-gram at its best {ngram:.2f}", color="tab:red", fontsize=8)
     ax.set_xscale("log")
     ax.set_xlabel("supervised tokens (log)")
     ax.set_ylabel("tokens per target step (tau), K = 3, T = 0")
