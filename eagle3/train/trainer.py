@@ -243,10 +243,11 @@ class Trainer:
         mine = per_rank[self.dist.rank]
         step_stats, tokens = [], 0
         scale = self.dist.world  # DDP and FSDP average gradients over processes; the loss is already a global mean
-        # The epoch's short last step can leave a process without a micro-batch: it still runs
-        # one forward/backward (on the step's first micro-batch, loss x 0) so that every
-        # process joins the same collectives and the update is the same as with one process.
-        work = [(b, 1.0) for b in mine] or [(next(b for r in per_rank for b in r), 0.0)]
+        # Every process runs as many passes as the fullest one (FSDP's forward and backward are collectives):
+        # in the epoch's short last step a process short of micro-batches makes up the count with the
+        # step's first micro-batch at loss x 0, so the update is the same as with one process.
+        padding = [(next(b for r in per_rank for b in r), 0.0)] * (max(len(r) for r in per_rank) - len(mine))
+        work = [(b, 1.0) for b in mine] + padding
         for n, (b, weight) in enumerate(work):
             samples = [self.data.train[j] for j in self.batches[b]]
             sync = n == len(work) - 1
