@@ -18,11 +18,9 @@ leaves ``latest.json`` on the previous checkpoint, which a rerun resumes from.
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
-import re
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -40,6 +38,7 @@ from eagle3.durable import (
 )
 from eagle3.layout import RunLayout
 from eagle3.train import levers
+from eagle3.train.checkpoint import as_os_error, load_tensors_only, optimizer_format
 from eagle3.train.chunked import ChunkedTTTLoss, chunked_target_view
 from eagle3.train.data import (
     Dataset,
@@ -352,7 +351,7 @@ class Trainer:
                     with atomic_folder(final) as tmp:
                         self._write_checkpoint(tmp, model_state, opt_state)
                 except Exception as exc:
-                    as_os = _as_os_error(exc)
+                    as_os = as_os_error(exc)
                     if as_os is None or as_os is exc:
                         raise
                     raise as_os from exc
@@ -393,7 +392,7 @@ class Trainer:
         by parameter name, one process's and DDP's by position; a checkpoint of the other kind is
         refused with both strategies named."""
         fsdp = self.tc.strategy == "fsdp" and self.dist.world > 1
-        wanted, found = ("fqn" if fsdp else "index"), _optimizer_format(opt_state)
+        wanted, found = ("fqn" if fsdp else "index"), optimizer_format(opt_state)
         if wanted != found:
             written = state.get("strategy") or ("fsdp" if found == "fqn" else "ddp or one process")
             now = f"{self.tc.strategy} on {self.dist.world} process(es)"
@@ -430,56 +429,12 @@ class Trainer:
         missing = set(self.model.state_dict()) - set(weights) - {"embed_tokens.weight"}
         if missing:
             raise ValueError(f"{path}/model.safetensors lacks {sorted(missing)}: not a checkpoint of this drafter")
-        self._load_state(path, state, weights, _load_tensors_only(path / "optimizer.pt", self.dist.device))
+        self._load_state(path, state, weights, load_tensors_only(path / "optimizer.pt", self.dist.device))
         self.step, self.best = int(state["step"]), state.get("best")
         if self.dist.rank == 0:
             _truncate_jsonl(self.layout.train_log, self.step)
             _truncate_jsonl(self.layout.train_eval, self.step)
             self.log(f"resumed from {path} (step {self.step} of {self.total_steps})")
-
-
-def _optimizer_format(opt_state: dict) -> str:
-    """ "fqn" for the state-dict API's full optimizer state (keyed by parameter names, what FSDP saves),
-    "index" for torch.optim's own (keyed by position, what one process and DDP save)."""
-    keys = [k for group in opt_state.get("param_groups", []) for k in group.get("params", [])]
-    return "fqn" if keys and all(isinstance(k, str) for k in keys) else "index"
-
-
-def _load_tensors_only(path: Path, device) -> dict:
-    """torch.load restricted to tensors, numbers and containers: a checkpoint in a run directory is
-    data, and a pickle that names any other object is refused rather than run."""
-    import pickle
-
-    try:
-        return torch.load(path, map_location=device, weights_only=True)
-    except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(
-            f"{path}: refusing to load, it holds more than tensors and numbers ({first}); "
-            "delete this checkpoint folder to resume from an earlier one, or the checkpoints folder to start over"
-        ) from None
-
-
-# Native serialisers report a failed write as their own error type (measured on a full tmpfs):
-# safetensors as SafetensorError("Error while serializing: I/O error: No space left on device (os
-# error 28)"), torch as RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576
-# vs 534") for a short write, or "... file write failed".
-_IO_FAILURE = re.compile(
-    r"I/O error|IoError|os error \d+|unexpected pos \d+ vs \d+|file write failed|No space left|quota exceeded",
-    re.IGNORECASE,
-)
-
-
-def _as_os_error(exc: Exception) -> OSError | None:
-    """``exc`` as the OSError it stands for when it is a failed write, else None (a real bug stays itself)."""
-    if isinstance(exc, OSError):
-        return exc
-    text = str(exc)
-    if not _IO_FAILURE.search(text):
-        return None
-    code = re.search(r"(?:os error|code:) (\d+)", text)
-    number = int(code.group(1)) if code else errno.EIO
-    return OSError(number, f"{os.strerror(number)} ({text.strip().splitlines()[0][:200]})")
 
 
 def _append(path: Path, line: dict) -> None:
