@@ -53,3 +53,24 @@ def as_os_error(exc: Exception) -> OSError | None:
     code = re.search(r"(?:os error|code:) (\d+)", text)
     number = int(code.group(1)) if code else errno.EIO
     return OSError(number, f"{os.strerror(number)} ({text.strip().splitlines()[0][:200]})")
+
+
+def check_global_batch(path: Path, state: dict, world: int, grad_accum: int, batch_tokens: int) -> None:
+    """A resumed run takes the optimizer steps of the run that wrote the checkpoint only at the same
+    global batch: as many micro-batches per step (processes x train.grad_accum), each of the same
+    train.batch_tokens. Processes and grad_accum may trade (2 x 6 resumes on 4 x 3 or on 3 x 4: the
+    same steps, the same curve); anything else would renumber the steps, move the schedule and skip or
+    repeat samples, so it is refused naming both. A checkpoint written before these were recorded
+    (no ``grad_accum`` in its trainer_state.json) is not checked."""
+    if "grad_accum" not in state:
+        return
+    was_world, was_accum, was_tokens = int(state["world_size"]), int(state["grad_accum"]), int(state["batch_tokens"])
+    if was_world * was_accum == world * grad_accum and was_tokens == batch_tokens:
+        return
+    raise ValueError(
+        f"{path}: written at a global batch of {was_world * was_accum} micro-batches of train.batch_tokens="
+        f"{was_tokens} per optimizer step ({was_world} process(es) x train.grad_accum={was_accum}), this run takes "
+        f"{world * grad_accum} of train.batch_tokens={batch_tokens} ({world} process(es) x train.grad_accum="
+        f"{grad_accum}); resume with processes x grad_accum = {was_world * was_accum} and train.batch_tokens = "
+        f"{was_tokens}, or delete the checkpoints folder to start over"
+    )

@@ -10,7 +10,10 @@ optimizer state (``optimizer.pt``, loaded back with ``weights_only=True``: tenso
 never arbitrary pickles) and ``trainer_state.json`` (step, epoch, best). The learning rate is a
 pure function of the step and the data order a pure function of (seed, epoch), and nothing is
 random after initialisation (train.hidden_noise's noise is a function of the step and the batch: see
-levers.py), so a resumed run repeats the uninterrupted run's steps exactly.
+levers.py), so a resumed run repeats the uninterrupted run's steps exactly, on any number of
+processes at the same global batch (processes x grad_accum micro-batches of batch_tokens: 2 x 6
+resumes on 4 x 3); a checkpoint written at another global batch is refused naming both
+(checkpoint.check_global_batch).
 Each checkpoint is written to a hidden folder and renamed; ``latest.json`` moves last. A write that
 fails (disk full) raises ``DiskWriteError`` naming the checkpoint, removes the hidden folder and
 leaves ``latest.json`` on the previous checkpoint, which a rerun resumes from.
@@ -38,7 +41,7 @@ from eagle3.durable import (
 )
 from eagle3.layout import RunLayout
 from eagle3.train import levers
-from eagle3.train.checkpoint import as_os_error, load_tensors_only, optimizer_format
+from eagle3.train.checkpoint import as_os_error, check_global_batch, load_tensors_only, optimizer_format
 from eagle3.train.chunked import ChunkedTTTLoss, chunked_target_view
 from eagle3.train.data import (
     Dataset,
@@ -378,6 +381,8 @@ class Trainer:
                 "target": self.model_path,
                 "strategy": self.tc.strategy,
                 "world_size": self.dist.world,
+                "grad_accum": self.tc.grad_accum,
+                "batch_tokens": self.tc.batch_tokens,
             },
         )
 
@@ -425,6 +430,7 @@ class Trainer:
         # its own checkpoints, never from a folder outside it that the recorded absolute path names.
         path = self.ckpt_dir / Path(read_json(latest)["path"]).name
         state = read_json(path / "trainer_state.json")
+        check_global_batch(path, state, self.dist.world, self.tc.grad_accum, self.tc.batch_tokens)
         weights = load_file(str(path / "model.safetensors"))
         missing = set(self.model.state_dict()) - set(weights) - {"embed_tokens.weight"}
         if missing:

@@ -14,6 +14,10 @@ from test_train import lines, make_train_run, torchrun, weights
 FSDP = ['train.strategy="fsdp"']
 
 
+def accumulating(config, grad_accum: int):
+    return config.model_copy(update={"train": config.train.model_copy(update={"grad_accum": grad_accum})})
+
+
 def test_a_killed_two_process_fsdp_run_resumes_to_the_uninterrupted_loss_curve(tmp_path):
     whole, names = make_train_run(tmp_path / "whole", *FSDP)
     torchrun(whole, names, nproc=2)
@@ -45,6 +49,37 @@ def test_an_fsdp_checkpoint_is_refused_by_a_run_of_another_strategy_naming_both(
 
     config, names = make_train_run(tmp_path, *FSDP, "train.epochs=1")
     torchrun(config, names, nproc=2)
-    trainer = Trainer(config, names, resolve_model("tiny:qwen3"), [1, 2, 3], Dist(), log=lambda m: None)
+    same_batch = accumulating(config, 2)  # 1 process x 2, as 2 x 1 wrote it: only the strategy differs
+    trainer = Trainer(same_batch, names, resolve_model("tiny:qwen3"), [1, 2, 3], Dist(), log=lambda m: None)
     with pytest.raises(ValueError, match=r"written by fsdp on 2 process\(es\), this run is fsdp on 1 process\(es\)"):
         trainer.train()
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            {"grad_accum": 3},
+            r"written at a global batch of 2 micro-batches of train.batch_tokens=120 per optimizer step \(1 "
+            r"process\(es\) x train.grad_accum=2\), this run takes 3 of train.batch_tokens=120 \(1 process\(es\) x "
+            r"train.grad_accum=3\)",
+        ),
+        (
+            {"batch_tokens": 60},
+            r"2 micro-batches of train.batch_tokens=120 .*, this run takes 2 of train.batch_tokens=60",
+        ),
+    ],
+    ids=["grad_accum", "batch_tokens"],
+)
+def test_a_checkpoint_of_another_global_batch_is_refused_naming_both(tmp_path, change, message):
+    """Processes and grad_accum may trade on resume (the FSDP test below); another number of
+    micro-batches per step, or micro-batches of another size, would renumber the steps: refused."""
+    from eagle3.models import resolve_model
+    from eagle3.train.trainer import Dist, Trainer
+
+    config, names = make_train_run(tmp_path, "train.grad_accum=2")
+    target = resolve_model("tiny:qwen3")
+    Trainer(config, names, target, [1, 2, 3], Dist(), log=lambda m: None).save()  # a step-0 checkpoint
+    changed = config.model_copy(update={"train": config.train.model_copy(update=change)})
+    with pytest.raises(ValueError, match=message):
+        Trainer(changed, names, target, [1, 2, 3], Dist(), log=lambda m: None).train()
