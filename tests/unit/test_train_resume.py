@@ -1,15 +1,13 @@
 """FSDP checkpoints: a killed 2-process FSDP run resumes to the uninterrupted loss curve, and a
 checkpoint whose optimizer state another strategy wrote is refused naming both."""
 
-import os
-import signal
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from test_train import lines, make_train_run, torchrun, weights
+from test_train import kill_torchrun, lines, make_train_run, torchrun, weights
 
 FSDP = ['train.strategy="fsdp"']
 
@@ -30,8 +28,7 @@ def test_a_killed_two_process_fsdp_run_resumes_to_the_uninterrupted_loss_curve(t
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and not (latest.exists() and log.exists() and len(lines(log)) >= 5):
         time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)  # both ranks, mid-run, after at least one checkpoint
-    proc.wait()
+    kill_torchrun(proc)  # both ranks, mid-run, after at least one checkpoint
     assert latest.exists() and len(lines(log)) < len(reference), "the kill came after a checkpoint, before the end"
     torchrun(killed, names, nproc=2)
     resumed = lines(log)
