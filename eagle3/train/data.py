@@ -8,7 +8,8 @@
   its step and sees exactly the batches an uninterrupted run would.
 - An optimizer step takes ``processes x grad_accum`` consecutive micro-batches; process r gets
   slots ``r*grad_accum .. (r+1)*grad_accum-1``. The epoch's last step may be short; a process with
-  no micro-batch left joins the step with a zero loss, so no sample is dropped.
+  fewer micro-batches than the fullest one makes up the count with zero-loss passes (each pass is a
+  collective under FSDP), so no sample is dropped and no process waits on another.
 - Offline: aux/last come from ``hidden_states/shard-K.safetensors`` (memory-mapped) after checking
   that its index lists the same ids in the same order as the tokenized shard.
 """

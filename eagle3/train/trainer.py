@@ -10,7 +10,10 @@ optimizer state (``optimizer.pt``, loaded back with ``weights_only=True``: tenso
 never arbitrary pickles) and ``trainer_state.json`` (step, epoch, best). The learning rate is a
 pure function of the step and the data order a pure function of (seed, epoch), and nothing is
 random after initialisation (train.hidden_noise's noise is a function of the step and the batch: see
-levers.py), so a resumed run repeats the uninterrupted run's steps exactly.
+levers.py), so a resumed run repeats the uninterrupted run's steps exactly, on any number of
+processes at the same global batch (processes x grad_accum micro-batches of batch_tokens: 2 x 6
+resumes on 4 x 3); a checkpoint written at another global batch is refused naming both
+(checkpoint.check_global_batch).
 Each checkpoint is written to a hidden folder and renamed; ``latest.json`` moves last. A write that
 fails (disk full) raises ``DiskWriteError`` naming the checkpoint, removes the hidden folder and
 leaves ``latest.json`` on the previous checkpoint, which a rerun resumes from.
@@ -18,11 +21,9 @@ leaves ``latest.json`` on the previous checkpoint, which a rerun resumes from.
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
-import re
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -40,6 +41,7 @@ from eagle3.durable import (
 )
 from eagle3.layout import RunLayout
 from eagle3.train import levers
+from eagle3.train.checkpoint import as_os_error, check_global_batch, load_tensors_only, optimizer_format
 from eagle3.train.chunked import ChunkedTTTLoss, chunked_target_view
 from eagle3.train.data import (
     Dataset,
@@ -243,10 +245,11 @@ class Trainer:
         mine = per_rank[self.dist.rank]
         step_stats, tokens = [], 0
         scale = self.dist.world  # DDP and FSDP average gradients over processes; the loss is already a global mean
-        # The epoch's short last step can leave a process without a micro-batch: it still runs
-        # one forward/backward (on the step's first micro-batch, loss x 0) so that every
-        # process joins the same collectives and the update is the same as with one process.
-        work = [(b, 1.0) for b in mine] or [(next(b for r in per_rank for b in r), 0.0)]
+        # Every process runs as many passes as the fullest one (FSDP's forward and backward are collectives):
+        # in the epoch's short last step a process short of micro-batches makes up the count with the
+        # step's first micro-batch at loss x 0, so the update is the same as with one process.
+        padding = [(next(b for r in per_rank for b in r), 0.0)] * (max(len(r) for r in per_rank) - len(mine))
+        work = [(b, 1.0) for b in mine] + padding
         for n, (b, weight) in enumerate(work):
             samples = [self.data.train[j] for j in self.batches[b]]
             sync = n == len(work) - 1
@@ -351,7 +354,7 @@ class Trainer:
                     with atomic_folder(final) as tmp:
                         self._write_checkpoint(tmp, model_state, opt_state)
                 except Exception as exc:
-                    as_os = _as_os_error(exc)
+                    as_os = as_os_error(exc)
                     if as_os is None or as_os is exc:
                         raise
                     raise as_os from exc
@@ -378,6 +381,8 @@ class Trainer:
                 "target": self.model_path,
                 "strategy": self.tc.strategy,
                 "world_size": self.dist.world,
+                "grad_accum": self.tc.grad_accum,
+                "batch_tokens": self.tc.batch_tokens,
             },
         )
 
@@ -392,7 +397,7 @@ class Trainer:
         by parameter name, one process's and DDP's by position; a checkpoint of the other kind is
         refused with both strategies named."""
         fsdp = self.tc.strategy == "fsdp" and self.dist.world > 1
-        wanted, found = ("fqn" if fsdp else "index"), _optimizer_format(opt_state)
+        wanted, found = ("fqn" if fsdp else "index"), optimizer_format(opt_state)
         if wanted != found:
             written = state.get("strategy") or ("fsdp" if found == "fqn" else "ddp or one process")
             now = f"{self.tc.strategy} on {self.dist.world} process(es)"
@@ -425,60 +430,17 @@ class Trainer:
         # its own checkpoints, never from a folder outside it that the recorded absolute path names.
         path = self.ckpt_dir / Path(read_json(latest)["path"]).name
         state = read_json(path / "trainer_state.json")
+        check_global_batch(path, state, self.dist.world, self.tc.grad_accum, self.tc.batch_tokens)
         weights = load_file(str(path / "model.safetensors"))
         missing = set(self.model.state_dict()) - set(weights) - {"embed_tokens.weight"}
         if missing:
             raise ValueError(f"{path}/model.safetensors lacks {sorted(missing)}: not a checkpoint of this drafter")
-        self._load_state(path, state, weights, _load_tensors_only(path / "optimizer.pt", self.dist.device))
+        self._load_state(path, state, weights, load_tensors_only(path / "optimizer.pt", self.dist.device))
         self.step, self.best = int(state["step"]), state.get("best")
         if self.dist.rank == 0:
             _truncate_jsonl(self.layout.train_log, self.step)
             _truncate_jsonl(self.layout.train_eval, self.step)
             self.log(f"resumed from {path} (step {self.step} of {self.total_steps})")
-
-
-def _optimizer_format(opt_state: dict) -> str:
-    """ "fqn" for the state-dict API's full optimizer state (keyed by parameter names, what FSDP saves),
-    "index" for torch.optim's own (keyed by position, what one process and DDP save)."""
-    keys = [k for group in opt_state.get("param_groups", []) for k in group.get("params", [])]
-    return "fqn" if keys and all(isinstance(k, str) for k in keys) else "index"
-
-
-def _load_tensors_only(path: Path, device) -> dict:
-    """torch.load restricted to tensors, numbers and containers: a checkpoint in a run directory is
-    data, and a pickle that names any other object is refused rather than run."""
-    import pickle
-
-    try:
-        return torch.load(path, map_location=device, weights_only=True)
-    except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(
-            f"{path}: refusing to load, it holds more than tensors and numbers ({first}); "
-            "delete this checkpoint folder to resume from an earlier one, or the checkpoints folder to start over"
-        ) from None
-
-
-# Native serialisers report a failed write as their own error type (measured on a full tmpfs):
-# safetensors as SafetensorError("Error while serializing: I/O error: No space left on device (os
-# error 28)"), torch as RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576
-# vs 534") for a short write, or "... file write failed".
-_IO_FAILURE = re.compile(
-    r"I/O error|IoError|os error \d+|unexpected pos \d+ vs \d+|file write failed|No space left|quota exceeded",
-    re.IGNORECASE,
-)
-
-
-def _as_os_error(exc: Exception) -> OSError | None:
-    """``exc`` as the OSError it stands for when it is a failed write, else None (a real bug stays itself)."""
-    if isinstance(exc, OSError):
-        return exc
-    text = str(exc)
-    if not _IO_FAILURE.search(text):
-        return None
-    code = re.search(r"(?:os error|code:) (\d+)", text)
-    number = int(code.group(1)) if code else errno.EIO
-    return OSError(number, f"{os.strerror(number)} ({text.strip().splitlines()[0][:200]})")
 
 
 def _append(path: Path, line: dict) -> None:

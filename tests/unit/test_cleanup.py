@@ -166,7 +166,7 @@ def _trainer_stub(run: Path, step: int):
         total_steps=20,
         layer_ids=[1, 2, 3],
         model_path="m",
-        tc=types.SimpleNamespace(seed=0, strategy="ddp"),
+        tc=types.SimpleNamespace(seed=0, strategy="ddp", grad_accum=1, batch_tokens=120),
         dist=types.SimpleNamespace(rank=0, world=1, barrier=lambda: None),
         drafter_config=types.SimpleNamespace(to_json=lambda: "{}"),
         _full_state=lambda: ({"w": torch.zeros(2)}, {"state": {}}),

@@ -239,6 +239,20 @@ def torchrun(config, names, nproc: int, env_extra=None, background=False, own_po
     return out
 
 
+def kill_torchrun(proc) -> None:
+    """SIGKILL a background ``torchrun`` and every worker at once, as a crash would take them. torchrun
+    starts each worker in a session of its own, so a killpg of torchrun's group leaves the workers
+    running: they trained the run to its end beside the "resumed" one."""
+    from eagle3.guard import tree
+
+    for pid in tree(proc.pid):  # torchrun's group and all its descendants, found before any dies
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
 def weights(run: Path) -> dict:
     from safetensors.torch import load_file
 
@@ -273,8 +287,7 @@ def test_a_killed_run_resumes_to_the_uninterrupted_loss_curve(tmp_path):
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 5):
         time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)  # mid-run, between checkpoints (every 2 steps)
-    proc.wait()
+    kill_torchrun(proc)  # mid-run, between checkpoints (every 2 steps)
     assert len(lines(log)) < len(reference), "the kill came before the end"
     torchrun(killed, names, nproc=1)
     resumed = lines(log)
