@@ -24,7 +24,8 @@ from eagle3 import stages
 EXIT_CODES = """exit status:
   0  done
   1  failed with one line naming the file, key or limit and what to do (config, input, missing input,
-     disk, a stage past its failure threshold, a lost server; a rerun resumes what was finished);
+     disk, a stage past its failure threshold, a lost target or Prefect server; a rerun resumes what
+     was finished);
      a traceback instead means a bug
   2  bad command line"""
 
@@ -98,10 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _prefect_defaults() -> None:
-    """Offline-friendly Prefect settings unless the user chose otherwise."""
+    """Offline-friendly Prefect settings and the client's retry window (cli/prefect_client.py) unless the
+    user chose otherwise; before Prefect is imported, which reads its settings once."""
+    from cli import prefect_client
+
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+    prefect_client.apply()
 
 
 def _load(args: argparse.Namespace):
@@ -188,9 +193,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     # The Prefect server's credential: read from its file before anything imports Prefect (which reads its
     # settings once), checked against PREFECT_API_URL's server before a flow run starts (cli/prefect_auth.py).
     prefect_auth.load_auth_file()
+    _prefect_defaults()
     config = _load(args)
     _preflight(config)
-    _prefect_defaults()
     prefect_auth.check_api()
     import asyncio
 
@@ -265,6 +270,15 @@ def main(argv: list[str] | None = None) -> int:
         return handler(args)
     except _explained_errors() as exc:
         print(f"eagle3 {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:
+        from cli.prefect_client import lost_api
+
+        # The Prefect server stayed away past the client's retry window: not a bug, one line (docs/faults.md).
+        line = lost_api(exc)
+        if line is None:
+            raise
+        print(f"eagle3 {args.command}: error: {line}", file=sys.stderr)
         return 1
 
 

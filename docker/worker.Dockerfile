@@ -6,11 +6,18 @@ FROM python:3.11-slim
 
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
+# The Prefect client's retry window, as the eagle3 command sets it (cli/prefect_client.py says why): the worker,
+# the flow runs it starts and the Ray nodes of this image ride out a Prefect server or database restart of up to
+# ~100 s (docs/faults.md#orchestrator-loss).
 ENV PYTHONUNBUFFERED=1 \
     PREFECT_SERVER_ANALYTICS_ENABLED=false \
     DO_NOT_TRACK=1 \
     HF_HUB_OFFLINE=0 \
-    EAGLE3_PROJECT_DIR=/opt/eagle3
+    EAGLE3_PROJECT_DIR=/opt/eagle3 \
+    PREFECT_CLIENT_MAX_RETRIES=6 \
+    PREFECT_CLIENT_RETRY_JITTER_FACTOR=0.2 \
+    PREFECT_CLIENT_RETRY_EXTRA_CODES=500 \
+    PREFECT_API_REQUEST_TIMEOUT=60
 
 RUN apt-get update && apt-get install -y --no-install-recommends curl git && rm -rf /var/lib/apt/lists/*
 WORKDIR /opt/eagle3

@@ -15,6 +15,7 @@ from eagle3.generate.shard import is_complete
 from eagle3.run_facts import RunFacts
 from eagle3.schemas import SchemaError
 from eagle3.serving.target import outage_allowance_s, target_server
+from flows.api import api_answers
 from tasks.generate import generate_shard_task, generate_summary_task
 from tasks.retry import unless_permanent
 
@@ -41,6 +42,7 @@ async def generate_flow(config: PipelineConfig = PipelineConfig(), facts: RunFac
             "generate: all %d shards complete on disk for this model, sampling and template; no server started",
             len(shards),
         )
+        await api_answers()  # the summary is a sync task: fresh Prefect clients (flows/api.py)
         return generate_summary_task(config, [str(s) for s in shards], model)
     async with target_server(config, get_run_logger()) as serving:
         target = serving.target
@@ -73,6 +75,7 @@ async def generate_flow(config: PipelineConfig = PipelineConfig(), facts: RunFac
         # at once: waiting out server.outage_wait_s for a server nobody restarts helps no one.
         outcomes = await serving.run(work) or []
     # The accounting is written first (what is on disk stays counted), then the server's fate decides.
+    await api_answers()  # the summary is a sync task: fresh Prefect clients (flows/api.py)
     try:
         entry = generate_summary_task(config, [str(s) for s in shards], target.model, serving.manifest_fields())
     except Exception as summary_error:

@@ -16,6 +16,7 @@ from prefect.runtime import flow_run
 from eagle3 import progress, stages
 from eagle3.config import PipelineConfig
 from eagle3.run_facts import RunFacts
+from flows.api import api_answers
 from tasks.report import report_task
 
 
@@ -23,6 +24,7 @@ async def run_stages(config: PipelineConfig, todo: tuple[stages.Stage, ...], fac
     """Each stage's flow in order, given the run's facts (awaited when it is async); its result under its name."""
     results: dict = {}
     for stage in todo:
+        await api_answers()  # a sync stage flow starts on fresh Prefect clients (flows/api.py)
         outcome = stages.resolve(stage.flow)(config, facts)
         results[stage.name] = await outcome if inspect.isawaitable(outcome) else outcome
         progress.finish(stage.name)
@@ -53,5 +55,6 @@ async def pipeline_flow(config: PipelineConfig = PipelineConfig(), facts: RunFac
     check_config(config)  # a reasoning mode the chat template cannot express fails before any stage runs
     precheck(config, [s.name for s in stages.STAGES])  # so does a cluster address nobody answers at
     results = await run_stages(config, stages.STAGES, RunFacts.of(config, facts))
+    await api_answers()  # a sync task: fresh Prefect clients
     results["report"] = report_task(config)
     return results

@@ -33,6 +33,12 @@ fi
 export PREFECT_API_URL="http://${HOST}:${PORT}/api"
 export PREFECT_UI_API_URL="$PREFECT_API_URL"   # else the page calls 127.0.0.1:4200 and shows no runs
 export EAGLE3_PROJECT_DIR="$PWD"
+# The Prefect client's retry window for the worker and the flow runs it starts, as the eagle3 command sets it
+# (cli/prefect_client.py says why; docs/faults.md#orchestrator-loss); the environment may set other values.
+export PREFECT_CLIENT_MAX_RETRIES="${PREFECT_CLIENT_MAX_RETRIES:-6}"
+export PREFECT_CLIENT_RETRY_JITTER_FACTOR="${PREFECT_CLIENT_RETRY_JITTER_FACTOR:-0.2}"
+export PREFECT_CLIENT_RETRY_EXTRA_CODES="${PREFECT_CLIENT_RETRY_EXTRA_CODES:-500}"
+export PREFECT_API_REQUEST_TIMEOUT="${PREFECT_API_REQUEST_TIMEOUT:-60}"
 
 if curl -fsS --max-time 3 "$PREFECT_API_URL/health" >/dev/null 2>&1; then
   echo "== a Prefect server already answers on $PREFECT_API_URL; using it"

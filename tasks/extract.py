@@ -6,13 +6,14 @@ Nothing here imports torch: the stage module is imported inside each task.
 from __future__ import annotations
 
 from prefect import get_run_logger, task
-from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from eagle3.cluster import enter_workdir
 from eagle3.config import PipelineConfig
 from eagle3.progress import report
 from eagle3.run_facts import RunFacts
+from tasks import progress_artifacts
 from tasks.retry import unless_permanent
 
 
@@ -40,15 +41,16 @@ def extract_shard_task(config: PipelineConfig, shard: str, the_plan, replica: in
     from eagle3.extract.stage import extract_shard
 
     enter_workdir()
-    artifact = create_progress_artifact(progress=0.0, description=f"extract {shard}")
+    logger = get_run_logger()
+    artifact = progress_artifacts.start(f"extract {shard}", logger)
     tokens = the_plan.tokens.get(shard, 0)
 
     def progress(fraction: float) -> None:
-        update_progress_artifact(artifact, 100.0 * fraction)
+        progress_artifacts.update(artifact, 100.0 * fraction, logger)
         report("extract", shard, fraction * tokens, tokens, unit="tokens")
 
-    result = extract_shard(config, shard, the_plan, replica, logger=get_run_logger(), progress=progress)
-    update_progress_artifact(artifact, 100.0)
+    result = extract_shard(config, shard, the_plan, replica, logger=logger, progress=progress)
+    progress_artifacts.update(artifact, 100.0, logger)
     report("extract", shard, tokens, tokens, unit="tokens")
     return result
 

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from prefect import get_run_logger, task
-from prefect.artifacts import acreate_progress_artifact, aupdate_progress_artifact, create_table_artifact
+from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import task_run
 from pydantic import SecretStr
@@ -20,6 +20,7 @@ from eagle3.progress import report
 from eagle3.run_facts import RunFacts
 from eagle3.serving.client import EndpointPool, deadline_s
 from eagle3.serving.target import Target, outage_wait_s, replica_events
+from tasks import progress_artifacts
 
 
 class ShardIncomplete(TransientError, RuntimeError):
@@ -46,14 +47,16 @@ async def generate_shard_task(
     logger = get_run_logger()
     config = facts.config
     gen = config.generation
-    artifact = await acreate_progress_artifact(progress=0.0, description=f"generate {Path(shard).name}")
+    artifact = await progress_artifacts.astart(f"generate {Path(shard).name}", logger)
     pending: set[asyncio.Task] = set()
 
     def progress(snap: dict) -> None:
         logger.info(_progress_line(Path(shard).name, snap))
         finished = snap["done"] + snap["skipped"] + snap["failed"] + snap["filtered"]
         report("generate", Path(shard).name, finished, snap["total"], snap["failed"], unit="samples")
-        job = asyncio.ensure_future(aupdate_progress_artifact(artifact, 100.0 * finished / max(1, snap["total"])))
+        job = asyncio.ensure_future(
+            progress_artifacts.aupdate(artifact, 100.0 * finished / max(1, snap["total"]), logger)
+        )
         pending.add(job)
         job.add_done_callback(pending.discard)
 
@@ -83,6 +86,8 @@ async def generate_shard_task(
         )
     finally:
         await pool.close()
+        for job in pending:  # superseded by the last update below; one waiting on a lost Prefect server ends now
+            job.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         if pool.benched:
             logger.warning(
@@ -90,7 +95,7 @@ async def generate_shard_task(
                 Path(shard).name,
                 dict(pool.benched),
             )
-    await aupdate_progress_artifact(artifact, 100.0)
+    await progress_artifacts.aupdate(artifact, 100.0, logger)
     if not result.complete and task_run.run_count <= gen.shard_retries:
         raise ShardIncomplete(
             f"{result.shard}: {result.retryable} samples failed with transient errors ({result.errors}); "

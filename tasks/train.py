@@ -11,18 +11,14 @@ import json
 from pathlib import Path
 
 from prefect import get_run_logger, task
-from prefect.artifacts import (
-    create_markdown_artifact,
-    create_progress_artifact,
-    create_table_artifact,
-    update_progress_artifact,
-)
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from eagle3.config import PipelineConfig
 from eagle3.layout import RunLayout
 from eagle3.progress import report
 from eagle3.run_facts import RunFacts
+from tasks import progress_artifacts
 from tasks.retry import unless_permanent
 
 
@@ -33,16 +29,17 @@ def train_task(facts: RunFacts, shards: list[str]) -> dict:
     """A retry resumes from the last checkpoint (the worker reads checkpoints/latest.json)."""
     from eagle3.train.stage import STEP_LINE, run_train
 
-    artifact = create_progress_artifact(progress=0.0, description="train: optimizer steps")
+    logger = get_run_logger()
+    artifact = progress_artifacts.start("train: optimizer steps", logger)
 
     def progress(line: str) -> None:
         match = STEP_LINE.search(line)
         if match:
-            update_progress_artifact(artifact, 100.0 * int(match.group(1)) / int(match.group(2)))
+            progress_artifacts.update(artifact, 100.0 * int(match.group(1)) / int(match.group(2)), logger)
             report("train", "all", int(match.group(1)), int(match.group(2)), unit="steps")
 
-    entry = run_train(facts, shards, logger=get_run_logger(), on_line=progress)
-    update_progress_artifact(artifact, 100.0)
+    entry = run_train(facts, shards, logger=logger, on_line=progress)
+    progress_artifacts.update(artifact, 100.0, logger)
     return entry
 
 

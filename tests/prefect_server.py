@@ -38,10 +38,15 @@ class Server:
             **(extra_env or {}),
         }
         home.mkdir(parents=True, exist_ok=True)
-        self.log = open(home / "server.log", "w")
+        self.home, self.command = home, command
+        self.log = open(home / "server.log", "a")
+        self.start()
+
+    def start(self) -> None:
+        """Start the server on its port and wait for /health (again after ``kill``: same port, same database)."""
         argv = [VENV / "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port)]
         self.proc = subprocess.Popen(
-            command(self.port) if command else argv,
+            self.command(self.port) if self.command else argv,
             env=self.env,
             stdout=self.log,
             stderr=subprocess.STDOUT,
@@ -55,9 +60,14 @@ class Server:
                     return
             except httpx.HTTPError:
                 pass
-            assert self.proc.poll() is None, (home / "server.log").read_text()[-3000:]
+            assert self.proc.poll() is None, (self.home / "server.log").read_text()[-3000:]
             time.sleep(0.5)
         raise AssertionError("prefect server did not answer /health in 120 s")
+
+    def kill(self) -> None:
+        """SIGKILL the server's process group, as a crash or an OOM kill would; ``start`` brings it back."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
 
     def prefect(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         out = subprocess.run(
