@@ -10,6 +10,8 @@ Design choices:
 - Every error of the hierarchy in ``eagle3/errors.py`` (a config, input or missing-input
   error, a full disk, a stage past its failure threshold, a lost server) prints one line and
   exits 1; a traceback means a bug. ``EXIT_CODES`` is the contract, shown in ``--help``.
+- Without PREFECT_API_URL the command runs its own temporary Prefect server, which dies with it
+  (cli/prefect_server.py).
 """
 
 from __future__ import annotations
@@ -183,7 +185,7 @@ def _summary(config, results: dict) -> str:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from cli import prefect_auth
+    from cli import prefect_auth, prefect_server
 
     # The Prefect server's credential: read from its file before anything imports Prefect (which reads its
     # settings once), checked against PREFECT_API_URL's server before a flow run starts (cli/prefect_auth.py).
@@ -197,11 +199,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     from eagle3.run_facts import RunFacts
     from flows.pipeline import pipeline_flow
 
-    facts = RunFacts.resolve(config)  # once, after the preflight fetched what the run reads
-    with _progress(args):
-        results = asyncio.run(pipeline_flow(config, facts))
+    # Without PREFECT_API_URL, a temporary server that dies with this command (cli/prefect_server.py);
+    # it starts while the run's facts are resolved.
+    with prefect_server.for_this_command(pipeline_flow) as server:
+        facts = RunFacts.resolve(config)  # once, after the preflight fetched what the run reads
+        _ready(server)
+        with _progress(args):
+            results = asyncio.run(pipeline_flow(config, facts))
     print(_summary(config, results))
     return 0
+
+
+def _ready(server) -> None:
+    if server is not None:
+        server.ready()
 
 
 def _progress(args: argparse.Namespace):
@@ -224,20 +235,23 @@ def cmd_stage(args: argparse.Namespace) -> int:
     stage = stages.get(args.command)
     _preflight(config, stage.name)
     prefect_auth.check_api()
-    from eagle3.run_facts import RunFacts
-
-    facts = RunFacts.resolve(config)  # once, after the preflight fetched what the stage reads
-    if stage.precheck:  # its inputs exist already: check them before any flow run is recorded
-        stages.resolve(stage.precheck)(facts)
     import asyncio
     import inspect
 
+    from cli import prefect_server
     from eagle3 import progress
+    from eagle3.run_facts import RunFacts
 
-    with _progress(args):
-        outcome = stages.resolve(stage.flow)(config, facts)
-        results = {stage.name: asyncio.run(outcome) if inspect.isawaitable(outcome) else outcome}
-        progress.finish(stage.name)
+    flow = stages.resolve(stage.flow)
+    with prefect_server.for_this_command(flow) as server:  # as in cmd_run
+        facts = RunFacts.resolve(config)  # once, after the preflight fetched what the stage reads
+        if stage.precheck:  # its inputs exist already: check them before any flow run is recorded
+            stages.resolve(stage.precheck)(facts)
+        _ready(server)
+        with _progress(args):
+            outcome = flow(config, facts)
+            results = {stage.name: asyncio.run(outcome) if inspect.isawaitable(outcome) else outcome}
+            progress.finish(stage.name)
     print(_summary(config, results))
     return 0
 
