@@ -10,8 +10,9 @@ Design choices:
 - Every error of the hierarchy in ``eagle3/errors.py`` (a config, input or missing-input
   error, a full disk, a stage past its failure threshold, a lost server) prints one line and
   exits 1; a traceback means a bug. ``EXIT_CODES`` is the contract, shown in ``--help``.
-- Without PREFECT_API_URL the command runs its own temporary Prefect server, which dies with it
-  (cli/prefect_server.py).
+- SIGTERM and SIGINT stop the command and everything it started, with one line and exit
+  128 + the signal (cli/stopping.py); without PREFECT_API_URL the command runs its own temporary
+  Prefect server, which dies with it (cli/prefect_server.py).
 """
 
 from __future__ import annotations
@@ -21,14 +22,17 @@ import os
 import sys
 from pathlib import Path
 
+from cli import stopping
 from eagle3 import stages
 
-EXIT_CODES = """exit status:
+EXIT_CODES = f"""exit status:
   0  done
   1  failed with one line naming the file, key or limit and what to do (config, input, missing input,
      disk, a stage past its failure threshold, a lost server; a rerun resumes what was finished);
      a traceback instead means a bug
-  2  bad command line"""
+  2  bad command line
+  130  stopped by SIGINT (Ctrl-C), 143 by SIGTERM: what it started is stopped within {stopping.GRACE_S:g} s
+     (a second signal: at once), what it finished is kept, and the same command resumes"""
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -194,8 +198,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     _preflight(config)
     _prefect_defaults()
     prefect_auth.check_api()
-    import asyncio
-
     from eagle3.run_facts import RunFacts
     from flows.pipeline import pipeline_flow
 
@@ -205,7 +207,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         facts = RunFacts.resolve(config)  # once, after the preflight fetched what the run reads
         _ready(server)
         with _progress(args):
-            results = asyncio.run(pipeline_flow(config, facts))
+            results = stopping.run_async(pipeline_flow(config, facts))
     print(_summary(config, results))
     return 0
 
@@ -235,7 +237,6 @@ def cmd_stage(args: argparse.Namespace) -> int:
     stage = stages.get(args.command)
     _preflight(config, stage.name)
     prefect_auth.check_api()
-    import asyncio
     import inspect
 
     from cli import prefect_server
@@ -250,7 +251,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
         _ready(server)
         with _progress(args):
             outcome = flow(config, facts)
-            results = {stage.name: asyncio.run(outcome) if inspect.isawaitable(outcome) else outcome}
+            results = {stage.name: stopping.run_async(outcome) if inspect.isawaitable(outcome) else outcome}
             progress.finish(stage.name)
     print(_summary(config, results))
     return 0
@@ -265,6 +266,7 @@ def _explained_errors() -> tuple[type[BaseException], ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     if args.command == "config":
         handler = cmd_config_show
@@ -275,11 +277,22 @@ def main(argv: list[str] | None = None) -> int:
             "make-tiny": cmd_make_tiny,
             "import-model": cmd_import_model,
         }.get(args.command, cmd_stage)
-    try:
-        return handler(args)
-    except _explained_errors() as exc:
-        print(f"eagle3 {args.command}: error: {exc}", file=sys.stderr)
-        return 1
+    # SIGTERM and SIGINT stop the command, and what it started, within a grace period (cli/stopping.py).
+    resumable = args.command == "run" or args.command in stages.names()
+    with stopping.installed(args.command, argv, resumable=resumable):
+        try:
+            code = handler(args)
+        except BaseException as exc:
+            signum = stopping.signal_of(exc)  # an error that follows a stop signal is that stop
+            if signum is not None:
+                stopping.finish(signum)
+            if not isinstance(exc, _explained_errors()):
+                raise
+            print(f"eagle3 {args.command}: error: {exc}", file=sys.stderr)
+            return 1
+        if stopping.requested():  # the signal came as the command was ending: it still ends as stopped
+            stopping.finish(stopping.requested())
+        return code
 
 
 if __name__ == "__main__":
