@@ -42,9 +42,9 @@ STOP_GRACE_S = 5.0
 DEFAULT_STARTUP_S = 20.0
 # A port that was free when chosen can be taken before uvicorn binds it: then a new one, this many times.
 START_TRIES = 3
-# Settings Prefect's own temporary server runs with: no UI, and the app built as an ephemeral server's.
 # How long the end of a command waits for Prefect's log and event workers to send what they hold.
 DRAIN_S = 5.0
+# Settings Prefect's own temporary server runs with: no UI, and the app built as an ephemeral server's.
 SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
 
 
@@ -67,8 +67,22 @@ def _argv(port: int) -> list[str]:
     ]
 
 
+def _point_prefect_at(env: dict[str, str | None]) -> None:
+    """Set (or, for None values, drop) Prefect's settings in this process's environment and make Prefect,
+    which read its settings when first imported, read them again."""
+    from prefect.context import refresh_global_settings_context
+
+    for name, value in env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    refresh_global_settings_context()
+
+
 class TemporaryServer:
-    """One temporary Prefect server: ``start()`` returns at once, ``ready()`` waits for /api/health."""
+    """One temporary Prefect server: ``start()`` returns at once and points this process's Prefect at it,
+    ``ready()`` waits for /api/health."""
 
     def __init__(self) -> None:
         self.child: Child | None = None
@@ -82,8 +96,14 @@ class TemporaryServer:
         self.port = _free_port()
         env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | SERVER_ENV
         self.child = Child(
-            _argv(self.port), name="temporary Prefect server", logger=logger, env=env, grace_s=STOP_GRACE_S
+            _argv(self.port),
+            name="temporary Prefect server",
+            logger=logger,
+            env=env,
+            grace_s=STOP_GRACE_S,
+            level_of=lambda _line: logging.WARNING,  # run with --log-level error: every line it writes matters
         ).start()
+        _point_prefect_at({"PREFECT_API_URL": self.api_url})
         return self
 
     def ready(self) -> None:
@@ -133,20 +153,20 @@ def _drain_prefect_workers() -> None:
 def for_this_command(flow) -> Iterator[TemporaryServer | None]:
     """A temporary server for the block, and PREFECT_API_URL pointing at it, when ``flow`` (what the
     command runs) is a Prefect flow and no Prefect API URL is configured (environment or profile);
-    otherwise nothing (None; a test's stand-in for a flow needs no server). Call ``ready()`` before
-    the flow runs."""
+    otherwise nothing (None; a test's stand-in for a flow needs no server, and with
+    PREFECT_SERVER_EPHEMERAL_ENABLED=false Prefect says that an API URL is missing, as it would).
+    Call ``ready()`` before the flow runs."""
     from prefect import Flow
-    from prefect.context import refresh_global_settings_context
     from prefect.settings import get_current_settings
 
-    if not isinstance(flow, Flow) or get_current_settings().api.url:
+    settings = get_current_settings()
+    if not isinstance(flow, Flow) or settings.api.url or not settings.server.ephemeral.enabled:
         yield None
         return
-    server = TemporaryServer().start()
     # It serves no UI (nor does Prefect's own): an empty UI URL keeps Prefect from logging links to one.
-    added = {"PREFECT_API_URL": server.api_url, **({} if "PREFECT_UI_URL" in os.environ else {"PREFECT_UI_URL": ""})}
-    os.environ.update(added)
-    refresh_global_settings_context()  # Prefect read its settings from the environment when first imported
+    added = ["PREFECT_API_URL"] + ([] if "PREFECT_UI_URL" in os.environ else ["PREFECT_UI_URL"])
+    os.environ.setdefault("PREFECT_UI_URL", "")
+    server = TemporaryServer().start()
     try:
         yield server
     except Exception:
@@ -155,7 +175,5 @@ def for_this_command(flow) -> Iterator[TemporaryServer | None]:
     else:
         _drain_prefect_workers()
     finally:
-        for name in added:
-            os.environ.pop(name, None)
-        refresh_global_settings_context()
+        _point_prefect_at(dict.fromkeys(added))
         server.stop()
