@@ -10,6 +10,9 @@ Design choices:
 - Every error of the hierarchy in ``eagle3/errors.py`` (a config, input or missing-input
   error, a full disk, a stage past its failure threshold, a lost server) prints one line and
   exits 1; a traceback means a bug. ``EXIT_CODES`` is the contract, shown in ``--help``.
+- SIGTERM and SIGINT stop the command and everything it started, with one line and exit
+  128 + the signal (cli/stopping.py); without PREFECT_API_URL the command runs its own temporary
+  Prefect server, which dies with it (cli/prefect_server.py).
 """
 
 from __future__ import annotations
@@ -19,15 +22,18 @@ import os
 import sys
 from pathlib import Path
 
+from cli import stopping
 from eagle3 import stages
 
-EXIT_CODES = """exit status:
+EXIT_CODES = f"""exit status:
   0  done
   1  failed with one line naming the file, key or limit and what to do (config, input, missing input,
      disk, a stage past its failure threshold, a lost target or Prefect server; a rerun resumes what
      was finished);
      a traceback instead means a bug
-  2  bad command line"""
+  2  bad command line
+  130  stopped by SIGINT (Ctrl-C), 143 by SIGTERM: what it started is stopped within {stopping.GRACE_S:g} s
+     (a second signal: at once), what it finished is kept, and the same command resumes"""
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -188,7 +194,7 @@ def _summary(config, results: dict) -> str:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from cli import prefect_auth
+    from cli import prefect_auth, prefect_server
 
     # The Prefect server's credential: read from its file before anything imports Prefect (which reads its
     # settings once), checked against PREFECT_API_URL's server before a flow run starts (cli/prefect_auth.py).
@@ -197,16 +203,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     config = _load(args)
     _preflight(config)
     prefect_auth.check_api()
-    import asyncio
-
     from eagle3.run_facts import RunFacts
     from flows.pipeline import pipeline_flow
 
-    facts = RunFacts.resolve(config)  # once, after the preflight fetched what the run reads
-    with _progress(args):
-        results = asyncio.run(pipeline_flow(config, facts))
+    # Without PREFECT_API_URL, a temporary server that dies with this command (cli/prefect_server.py);
+    # it starts while the run's facts are resolved.
+    with prefect_server.for_this_command(pipeline_flow) as server:
+        facts = RunFacts.resolve(config)  # once, after the preflight fetched what the run reads
+        _ready(server)
+        with _progress(args):
+            results = stopping.run_async(pipeline_flow(config, facts))
     print(_summary(config, results))
     return 0
+
+
+def _ready(server) -> None:
+    if server is not None:
+        server.ready()
 
 
 def _progress(args: argparse.Namespace):
@@ -229,20 +242,22 @@ def cmd_stage(args: argparse.Namespace) -> int:
     stage = stages.get(args.command)
     _preflight(config, stage.name)
     prefect_auth.check_api()
-    from eagle3.run_facts import RunFacts
-
-    facts = RunFacts.resolve(config)  # once, after the preflight fetched what the stage reads
-    if stage.precheck:  # its inputs exist already: check them before any flow run is recorded
-        stages.resolve(stage.precheck)(facts)
-    import asyncio
     import inspect
 
+    from cli import prefect_server
     from eagle3 import progress
+    from eagle3.run_facts import RunFacts
 
-    with _progress(args):
-        outcome = stages.resolve(stage.flow)(config, facts)
-        results = {stage.name: asyncio.run(outcome) if inspect.isawaitable(outcome) else outcome}
-        progress.finish(stage.name)
+    flow = stages.resolve(stage.flow)
+    with prefect_server.for_this_command(flow) as server:  # as in cmd_run
+        facts = RunFacts.resolve(config)  # once, after the preflight fetched what the stage reads
+        if stage.precheck:  # its inputs exist already: check them before any flow run is recorded
+            stages.resolve(stage.precheck)(facts)
+        _ready(server)
+        with _progress(args):
+            outcome = flow(config, facts)
+            results = {stage.name: stopping.run_async(outcome) if inspect.isawaitable(outcome) else outcome}
+            progress.finish(stage.name)
     print(_summary(config, results))
     return 0
 
@@ -256,6 +271,7 @@ def _explained_errors() -> tuple[type[BaseException], ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     if args.command == "config":
         handler = cmd_config_show
@@ -266,20 +282,31 @@ def main(argv: list[str] | None = None) -> int:
             "make-tiny": cmd_make_tiny,
             "import-model": cmd_import_model,
         }.get(args.command, cmd_stage)
-    try:
-        return handler(args)
-    except _explained_errors() as exc:
-        print(f"eagle3 {args.command}: error: {exc}", file=sys.stderr)
-        return 1
-    except Exception as exc:
-        from cli.prefect_client import lost_api
+    # SIGTERM and SIGINT stop the command, and what it started, within a grace period (cli/stopping.py).
+    resumable = args.command == "run" or args.command in stages.names()
+    with stopping.installed(args.command, argv, resumable=resumable):
+        try:
+            code = handler(args)
+        except BaseException as exc:
+            signum = stopping.signal_of(exc)  # an error that follows a stop signal is that stop
+            if signum is not None:
+                stopping.finish(signum)
+            if isinstance(exc, _explained_errors()):
+                print(f"eagle3 {args.command}: error: {exc}", file=sys.stderr)
+                return 1
+            if not isinstance(exc, Exception):
+                raise
+            from cli.prefect_client import lost_api
 
-        # The Prefect server stayed away past the client's retry window: not a bug, one line (docs/faults.md).
-        line = lost_api(exc)
-        if line is None:
-            raise
-        print(f"eagle3 {args.command}: error: {line}", file=sys.stderr)
-        return 1
+            # The Prefect server stayed away past the client's retry window: not a bug, one line (docs/faults.md).
+            line = lost_api(exc)
+            if line is None:
+                raise
+            print(f"eagle3 {args.command}: error: {line}", file=sys.stderr)
+            return 1
+        if stopping.requested():  # the signal came as the command was ending: it still ends as stopped
+            stopping.finish(stopping.requested())
+        return code
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ Design choices:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -39,6 +40,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,6 +75,24 @@ class Guard:
 
 _guards: dict[int, Guard] = {}
 _lock = threading.Lock()
+_starting = threading.local()
+
+
+@contextlib.contextmanager
+def starting() -> Iterator[None]:
+    """Marks a child's spawn and guard as under way in this thread (eagle3/proc.py). An exception that
+    lands inside (a stop signal's, raised in the main thread) would leave a child with no guard, or a
+    guard that nothing closes; a stop waits while ``is_starting()`` (cli/stopping.py)."""
+    _starting.depth = getattr(_starting, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _starting.depth -= 1
+
+
+def is_starting() -> bool:
+    """Whether this thread is inside ``starting()``."""
+    return getattr(_starting, "depth", 0) > 0
 
 
 # -- process facts (/proc) ------------------------------------------------------------------
@@ -180,6 +200,30 @@ def release(pgid: int) -> None:
         guard.proc.wait(timeout=5)
     except subprocess.TimeoutExpired:
         pass  # still stopping leftovers of the group; it exits on its own
+
+
+def stop_all(grace_s: float, kill_wait_s: float = KILL_WAIT_S) -> list[int]:
+    """Stop every group this process guards, all at once: SIGTERM, ``grace_s``, SIGKILL to each group
+    and its descendants, ``kill_wait_s``. For a command that is stopping (cli/stopping.py): a group
+    started from a worker thread is not stopped by the exception that unwinds the main thread.
+    Returns the pids that survived SIGKILL (their guards stay armed)."""
+    with _lock:
+        pgids = list(_guards)
+    left: list[int] = []
+
+    def stop(pgid: int) -> None:
+        survivors = terminate_group(pgid, grace_s, kill_wait_s)
+        if survivors:
+            left.extend(survivors)
+        else:
+            release(pgid)
+
+    threads = [threading.Thread(target=stop, args=(pgid,), name=f"stop group {pgid}", daemon=True) for pgid in pgids]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return sorted(left)
 
 
 def _prune() -> None:

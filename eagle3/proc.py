@@ -159,21 +159,22 @@ class Child:
         if self.pidfile is not None:
             orphans.reap_stale(self.pidfile, self.grace_s, self.logger)
         log_file = self._open_log()
-        try:
-            self.proc = subprocess.Popen(
-                self.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                env=self.env,
-                cwd=self.cwd,
-                start_new_session=True,
-            )
-        except OSError:
-            if log_file is not None:
-                log_file.close()
-            raise
-        orphans.guard_group(self.proc.pid, pidfile=self.pidfile, grace_s=self.grace_s, note=self.guard_note)
+        with orphans.starting():  # spawned and guarded as one step: a stop signal waits for its end
+            try:
+                self.proc = subprocess.Popen(
+                    self.argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    env=self.env,
+                    cwd=self.cwd,
+                    start_new_session=True,
+                )
+            except OSError:
+                if log_file is not None:
+                    log_file.close()
+                raise
+            orphans.guard_group(self.proc.pid, pidfile=self.pidfile, grace_s=self.grace_s, note=self.guard_note)
         self._pump = _Pump(self.proc.stdout, log_file, self)
         self._pump.start()
         return self
