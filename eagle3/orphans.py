@@ -76,18 +76,39 @@ class Guard:
 _guards: dict[int, Guard] = {}
 _lock = threading.Lock()
 _starting = threading.local()
+# Spawns under way in any thread, and whether the command is stopping (stop_all): a stop waits for the
+# spawns under way, so each child it stops has its guard, and then refuses new ones.
+_spawns = threading.Condition()
+_spawning = 0
+_closing = False
+# How long a stop waits for spawns under way (a fork, an exec and a guard's start: milliseconds).
+SPAWN_WAIT_S = 5.0
+
+
+class Stopping(RuntimeError):
+    """A child asked for while the command stops (stop_all ran): none is started."""
 
 
 @contextlib.contextmanager
 def starting() -> Iterator[None]:
-    """Marks a child's spawn and guard as under way in this thread (eagle3/proc.py). An exception that
-    lands inside (a stop signal's, raised in the main thread) would leave a child with no guard, or a
-    guard that nothing closes; a stop waits while ``is_starting()`` (cli/stopping.py)."""
+    """Marks a child's spawn and guard as under way (eagle3/proc.py). An exception that lands inside (a
+    stop signal's, raised in the main thread) would leave a child with no guard, or a guard that nothing
+    closes; a stop waits while ``is_starting()`` (cli/stopping.py). ``stop_all`` waits for the spawns
+    under way in every thread (a worker thread's server would otherwise be spawned, unguarded, after the
+    stop had looked) and then refuses new ones with ``Stopping``."""
+    global _spawning
+    with _spawns:
+        if _closing:
+            raise Stopping("the command is stopping: no new child process is started")
+        _spawning += 1
     _starting.depth = getattr(_starting, "depth", 0) + 1
     try:
         yield
     finally:
         _starting.depth -= 1
+        with _spawns:
+            _spawning -= 1
+            _spawns.notify_all()
 
 
 def is_starting() -> bool:
@@ -206,7 +227,13 @@ def stop_all(grace_s: float, kill_wait_s: float = KILL_WAIT_S) -> list[int]:
     """Stop every group this process guards, all at once: SIGTERM, ``grace_s``, SIGKILL to each group
     and its descendants, ``kill_wait_s``. For a command that is stopping (cli/stopping.py): a group
     started from a worker thread is not stopped by the exception that unwinds the main thread.
-    Returns the pids that survived SIGKILL (their guards stay armed)."""
+    Returns the pids that survived SIGKILL (their guards stay armed). Spawns under way in other threads
+    finish first (their children are guarded, so stopped here); later ones are refused (``Stopping``)."""
+    global _closing
+    mine = getattr(_starting, "depth", 0)  # this thread's own spawn, if any, cannot finish while it waits
+    with _spawns:
+        _closing = True
+        _spawns.wait_for(lambda: _spawning <= mine, timeout=SPAWN_WAIT_S)
     with _lock:
         pgids = list(_guards)
     left: list[int] = []
