@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3 import guard as guard_script
+from eagle3.errors import PermanentError
 
 logger = logging.getLogger(__name__)
 
@@ -85,8 +86,8 @@ _closing = False
 SPAWN_WAIT_S = 5.0
 
 
-class Stopping(RuntimeError):
-    """A child asked for while the command stops (stop_all ran): none is started."""
+class Stopping(PermanentError, RuntimeError):
+    """A child asked for while the command stops (stop_all ran): none is started (a retry would not help)."""
 
 
 @contextlib.contextmanager
