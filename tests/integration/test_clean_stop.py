@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from cli.stopping import GRACE_S, KILL_WAIT_S
-from conftest import DEMO_RECIPE, PYTHON, ROOT
+from conftest import DEMO_RECIPE, PYTHON, ROOT, SMALL_EVALUATE
 from procs import marked
 
 pytestmark = pytest.mark.integration
@@ -41,14 +41,7 @@ SMALL = [
     "generation.max_tokens=64",
     "train.epochs=1",
     "train.batch_tokens=512",
-    "evaluate.compare_untrained=false",
-    "evaluate.num_prompts=2",
-    "evaluate.max_tokens=16",
-    "evaluate.temperatures=[0.0]",
-    'evaluate.methods=["trained"]',
-    'evaluate.prompt_sets=["heldout"]',
-    "evaluate.concurrencies=[1]",
-    "evaluate.rounds=1",
+    *SMALL_EVALUATE,
     f'server.python="{VLLM_PYTHON}"',
 ]
 BEGIN = re.compile(r"Beginning subflow run '[^']+' for flow 'eagle3-(\w+)'")
@@ -166,20 +159,17 @@ class Run:
         """SIGTERM to the command alone; the seconds until it exited."""
         began = time.monotonic()
         self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            raise AssertionError(f"`eagle3 run` still running {timeout_s} s after SIGTERM:\n{self.tail()}") from None
-        self.reader.join(5)
+        self.wait(timeout_s, f"{timeout_s} s after SIGTERM")
         return time.monotonic() - began
 
-    def wait(self, timeout_s: float) -> int:
+    def wait(self, timeout_s: float, when: str | None = None) -> int:
+        """The command's exit status; SIGKILL to its group and a failure when it runs past ``timeout_s``."""
         try:
             self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
-            raise AssertionError(f"`eagle3 run` still running after {timeout_s} s:\n{self.tail()}") from None
+            when = when or f"after {timeout_s} s"
+            raise AssertionError(f"`eagle3 run` still running {when}:\n{self.tail()}") from None
         self.reader.join(5)
         return self.proc.returncode
 

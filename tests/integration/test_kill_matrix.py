@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DEMO_RECIPE, PYTHON, ROOT
+from conftest import DEMO_RECIPE, PYTHON, ROOT, SMALL_EVALUATE
 from eagle3 import stages
 
 pytestmark = pytest.mark.integration
@@ -53,14 +53,7 @@ SMALL = [
     "train.epochs=2",
     "train.batch_tokens=512",
     "train.save_every_steps=2",
-    "evaluate.compare_untrained=false",
-    "evaluate.num_prompts=2",
-    "evaluate.max_tokens=16",
-    "evaluate.temperatures=[0.0]",
-    'evaluate.methods=["trained"]',
-    'evaluate.prompt_sets=["heldout"]',
-    "evaluate.concurrencies=[1]",
-    "evaluate.rounds=1",
+    *SMALL_EVALUATE,
     f'server.python="{VLLM_PYTHON}"',
 ]
 # Two training processes on the same inputs usually agree bit for bit, but not always: once in CI
