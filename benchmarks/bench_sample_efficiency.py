@@ -12,8 +12,11 @@ fixed evaluation suite. Its JSON is the lab notebook: every arm, its budget, its
   export and evaluate there with the arm's ``--set`` overrides (the training levers). Evaluate measures
   only the trained drafter, on the whole suite, temperature 0, concurrency 1 (each prompt's own counters:
   tokens per target step, pooled and per category, bootstrap 95% interval over prompts).
-- Each arm is compared with the arm named ``--baseline`` (default ``baseline``) by a paired bootstrap
-  over the suite's prompts (the same prompts, so the prompts' own spread cancels out).
+- Each arm is compared with the arm named ``--baseline`` (default ``baseline``; kept in the arm's record)
+  by a paired bootstrap over the suite's prompts (the same prompts, so the prompts' own spread cancels
+  out), and only when both trained on the same data: each arm records its data's fingerprint (a hash of
+  its generations), and an arm whose data differs from its baseline's gets no difference, it gets the
+  reason (rewriting a data run draws new prompts: its arms need a baseline of their own).
 - The record of every arm is kept in ``benchmarks/results/sample_efficiency.json`` (rewritten atomically
   after each arm, so a session that ends mid-ablation loses no finished arm), with its wall and CPU
   seconds per stage.
@@ -106,6 +109,25 @@ def arm_result(arm: Path) -> dict:
     }
 
 
+def data_fingerprint(run: Path) -> str:
+    """A hash of the data run's generations (every shard, in order): equal for arms that trained on the
+    same samples, different after the data run was rewritten with a new draw of prompts."""
+    digest = hashlib.sha256()
+    for shard in sorted((run / "generations").glob("shard-*.jsonl")):
+        digest.update(shard.name.encode() + b"\0" + hashlib.sha256(shard.read_bytes()).digest())
+    return digest.hexdigest()[:16]
+
+
+def compare(arm: dict, base: dict | None) -> dict | None:
+    """The arm's paired difference to its baseline, or why there is none (None: no baseline recorded yet).
+    Arms recorded before fingerprints (no key) share the one draw they were run on."""
+    if base is None:
+        return None
+    if arm.get("data_fingerprint") != base.get("data_fingerprint"):
+        return {"refused": "the baseline trained on other data (another draw of prompts)"}
+    return paired_difference(arm["per_prompt"], base["per_prompt"])
+
+
 def supervised_tokens(run: Path) -> int | None:
     entry = read_json(run / "manifest.json")["stages"].get("tokenize", {})
     return entry.get("supervised_tokens") or entry.get("tokens")
@@ -165,6 +187,7 @@ def run_arm(
         "commit": started["commit"],
         "date": started["date"],
         "data_run": data_run,
+        "data_fingerprint": data_fingerprint(ROOT / data_run),
         "result": {k: v for k, v in result.items() if k != "per_prompt"},
         "per_prompt": result["per_prompt"],
     }
@@ -185,11 +208,11 @@ def main() -> None:
     record = run_arm(args.arm, args.sets, args.data_sets, args.samples, args.recipe, args.note)
     doc = read_json(Path(args.out)) if Path(args.out).exists() else {}
     arms = doc.get("arms", {})
-    arms[args.arm] = record
-    base = arms.get(args.baseline)
+    arms[args.arm] = {**record, "baseline": args.baseline}
     for name, arm in arms.items():
-        if base is not None and name != args.baseline:
-            arm["vs_baseline"] = paired_difference(arm["per_prompt"], base["per_prompt"])
+        base = arm.get("baseline", "baseline")
+        if name != base and (diff := compare(arm, arms.get(base))) is not None:
+            arm["vs_baseline"] = diff
     results_file.write(
         args.out,
         "sample_efficiency",

@@ -54,13 +54,17 @@ def sample_efficiency_arms(results: dict[str, dict]) -> str:
     for name, a in arms.items():
         r, diff = a["result"], a.get("vs_baseline") or {}
         levers = ", ".join(f"`{s}`" for s in [*a["data_sets"], *a["sets"]]) or "(recipe)"
-        change = f"{num(diff['difference'], 3)} {interval(diff['ci95'])}" if diff.get("difference") is not None else "-"
+        against = a.get("baseline", data["baseline"])
+        if diff.get("difference") is not None:
+            change = f"{num(diff['difference'], 3)} {interval(diff['ci95'])} vs {against}"
+        else:
+            change = f"- ({diff['refused']})" if "refused" in diff else "-"
         rows.append(
             [name, levers, a["budget"]["samples"], f"**{num(r['acceptance_length'], 3)}**", interval(r["ci95"])]
             + [num(r["by_category"][c], 2) for c in cats]
             + [change, num(r.get("offline_heldout_acceptance_length"), 3), num(a["cpu_s_train_export_evaluate"], 0)]
         )
-    head = ["arm", "levers", "samples", "tau (suite)", "95% interval", *cats, f"vs {data['baseline']} (paired)"]
+    head = ["arm", "levers", "samples", "tau (suite)", "95% interval", *cats, "vs its baseline (paired)"]
     return table(head + ["offline held-out tau", "CPU s (train+export+eval)"], rows)
 
 
