@@ -208,7 +208,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     # Without PREFECT_API_URL, a temporary server that dies with this command (cli/prefect_server.py);
     # it starts while the run's facts are resolved.
-    with prefect_server.for_this_command(pipeline_flow) as server:
+    with prefect_server.for_this_command(pipeline_flow, (config.server.api_key_env,)) as server:
         facts = RunFacts.resolve(config)  # once, after the preflight fetched what the run reads
         _ready(server)
         with _progress(args):
@@ -249,7 +249,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
     from eagle3.run_facts import RunFacts
 
     flow = stages.resolve(stage.flow)
-    with prefect_server.for_this_command(flow) as server:  # as in cmd_run
+    with prefect_server.for_this_command(flow, (config.server.api_key_env,)) as server:  # as in cmd_run
         facts = RunFacts.resolve(config)  # once, after the preflight fetched what the stage reads
         if stage.precheck:  # its inputs exist already: check them before any flow run is recorded
             stages.resolve(stage.precheck)(facts)

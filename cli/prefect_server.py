@@ -32,6 +32,7 @@ from pathlib import Path
 
 from eagle3.errors import TransientError
 from eagle3.proc import Child
+from eagle3.secret_env import SECRET_ENV, child_env
 
 logger = logging.getLogger("eagle3.prefect_server")
 
@@ -46,6 +47,9 @@ START_TRIES = 3
 DRAIN_S = 5.0
 # Settings Prefect's own temporary server runs with: no UI, and the app built as an ephemeral server's.
 SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+# The server is Prefect: it keeps Prefect's settings, credentials included (a server credential set in
+# this environment is its own; its database URL too), and none of the pipeline's other credentials.
+PREFECT_SECRETS = frozenset(name for name in SECRET_ENV if name.startswith("PREFECT_"))
 
 
 class PrefectServerError(TransientError):
@@ -82,11 +86,13 @@ def _point_prefect_at(env: dict[str, str | None]) -> None:
 
 class TemporaryServer:
     """One temporary Prefect server: ``start()`` returns at once and points this process's Prefect at it,
-    ``ready()`` waits for /api/health."""
+    ``ready()`` waits for /api/health. ``drop_env``: names the server must not inherit besides the
+    pipeline's credentials (the config's server.api_key_env)."""
 
-    def __init__(self) -> None:
+    def __init__(self, drop_env: tuple[str, ...] = ()) -> None:
         self.child: Child | None = None
         self.port = 0
+        self.drop_env = drop_env
 
     @property
     def api_url(self) -> str:
@@ -94,7 +100,8 @@ class TemporaryServer:
 
     def start(self) -> TemporaryServer:
         self.port = _free_port()
-        env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | SERVER_ENV
+        inherited = child_env(drop=self.drop_env, keep=PREFECT_SECRETS)
+        env = {k: v for k, v in inherited.items() if k != "PREFECT_API_URL"} | SERVER_ENV
         self.child = Child(
             _argv(self.port),
             name="temporary Prefect server",
@@ -150,12 +157,12 @@ def _drain_prefect_workers() -> None:
 
 
 @contextlib.contextmanager
-def for_this_command(flow) -> Iterator[TemporaryServer | None]:
+def for_this_command(flow, drop_env: tuple[str, ...] = ()) -> Iterator[TemporaryServer | None]:
     """A temporary server for the block, and PREFECT_API_URL pointing at it, when ``flow`` (what the
     command runs) is a Prefect flow and no Prefect API URL is configured (environment or profile);
     otherwise nothing (None; a test's stand-in for a flow needs no server, and with
     PREFECT_SERVER_EPHEMERAL_ENABLED=false Prefect says that an API URL is missing, as it would).
-    Call ``ready()`` before the flow runs."""
+    Call ``ready()`` before the flow runs. ``drop_env``: see TemporaryServer."""
     from prefect import Flow
     from prefect.settings import get_current_settings
 
@@ -166,7 +173,7 @@ def for_this_command(flow) -> Iterator[TemporaryServer | None]:
     # It serves no UI (nor does Prefect's own): an empty UI URL keeps Prefect from logging links to one.
     added = ["PREFECT_API_URL"] + ([] if "PREFECT_UI_URL" in os.environ else ["PREFECT_UI_URL"])
     os.environ.setdefault("PREFECT_UI_URL", "")
-    server = TemporaryServer().start()
+    server = TemporaryServer(drop_env).start()
     try:
         yield server
     except Exception:

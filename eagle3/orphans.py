@@ -16,7 +16,8 @@ Design choices:
   inherits it); the kernel closes it when this process dies, however it dies. The guard reads
   EOF and stops the group: SIGTERM, ``grace_s``, SIGKILL to the group and to every descendant
   (torchrun starts its workers in sessions of their own). While the parent lives, the guard
-  polls once a second and exits by itself as soon as the group is gone (normal stop).
+  polls once a second and exits by itself as soon as the group is gone (normal stop). It lives as
+  long as the group and needs no credential, so it inherits none (secret_env.child_env).
 - Not ``PR_SET_PDEATHSIG``: it fires when the spawning *thread* ends (servers are started from
   ``asyncio.to_thread`` workers, Prefect runs tasks in worker threads) and reaches only the
   direct child, not vLLM's engine core, which the measurement above shows survives.
@@ -46,6 +47,7 @@ from pathlib import Path
 
 from eagle3 import guard as guard_script
 from eagle3.errors import PermanentError
+from eagle3.secret_env import child_env
 
 logger = logging.getLogger(__name__)
 
@@ -198,6 +200,7 @@ def guard_group(
             stderr=subprocess.DEVNULL,
             start_new_session=True,
             close_fds=True,
+            env=child_env(),
         )
     except OSError:
         os.close(write_fd)

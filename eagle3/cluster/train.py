@@ -104,16 +104,18 @@ class NodeRunner:
             self._lines.append(line)
             self._count += 1
 
-    def start(self, argv: list[str], env: dict[str, str]) -> int:
-        """Start torchrun in its own group under a guard; returns its pid."""
+    def start(self, argv: list[str], env: dict[str, str], drop_env: tuple[str, ...] = ()) -> int:
+        """Start torchrun in its own group under a guard, with this node's environment less its
+        credentials (eagle3/secret_env.py; ``drop_env`` names more) and ``env`` over it; returns its pid."""
         from eagle3 import proc
+        from eagle3.secret_env import child_env
 
         argv = [sys.executable, *argv[1:]]  # this node's interpreter, same image
         self._child = proc.Child(
             argv,
             name=f"torchrun node {self.node}",
             logger=log_module,
-            env={**os.environ, **env},
+            env={**child_env(drop=drop_env), **env},
             cwd=os.getcwd(),
             grace_s=STOP_GRACE_S,
             on_line=self._keep,
@@ -221,7 +223,12 @@ def run_on_cluster(config: PipelineConfig, request: Path, log, on_line, threads:
         master = get(actors[0].address.remote(), 0, "starting", ACTOR_START_S)
         torch_env = torchrun_env(threads)
         pids = [
-            get(a.start.remote(node_argv(config, request, i, master), torch_env), i, "starting", ACTOR_START_S)
+            get(
+                a.start.remote(node_argv(config, request, i, master), torch_env, (config.server.api_key_env,)),
+                i,
+                "starting",
+                ACTOR_START_S,
+            )
             for i, a in enumerate(actors)
         ]
         log.info("train: torchrun on %d cluster nodes (master %s:%d, pids %s)", nodes, *master, pids)

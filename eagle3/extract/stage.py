@@ -358,6 +358,7 @@ def _fill_with_vllm(config, shard: str, ids, seqs, the_plan: Plan, writer: State
         hs.timeout_s,
         env=dict(config.server.env),
         log=log,
+        drop_env=(config.server.api_key_env,),
     )
     try:
         start = 0

@@ -4,14 +4,13 @@ The pipeline venv has no vllm: this module writes a request file, runs
 ``vllm_worker.py`` (beside this file) with the vLLM venv's python under a deadline,
 streams the worker's output to a logger and reads back the one safetensors file it
 writes. Only numpy, safetensors, the standard library and eagle3's durable writes and
-process helper (the worker group dies with this process) are used here.
+process helpers (the worker group dies with this process; it inherits no credential) are used here.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +19,7 @@ import numpy as np
 
 from eagle3.durable import atomic_write_json
 from eagle3.errors import TransientError
+from eagle3.secret_env import child_env
 
 logger = logging.getLogger(__name__)
 
@@ -48,19 +48,22 @@ def extract_with_vllm(
     *,
     max_model_len: int | None = None,
     engine_args: dict | None = None,
+    drop_env: tuple[str, ...] = (),
 ) -> dict[str, np.ndarray]:
     """Hidden states of ``samples`` as ``{id: float32 [T, len(layer_ids), H]}``.
 
     ``layer_ids`` use vLLM's aux numbering (id ``i`` = output of decoder layer ``i-1``;
     the layer count = the last layer's output before the final norm). ``python`` is the
     vLLM venv's interpreter; ``env`` adds to this process's environment (e.g.
-    ``VLLM_CPU_KVCACHE_SPACE``). ``max_model_len`` defaults to the longest sample plus
+    ``VLLM_CPU_KVCACHE_SPACE``), which the worker gets less its credentials (eagle3/secret_env.py;
+    ``drop_env`` names more: the config's server.api_key_env). ``max_model_len`` defaults to the longest sample plus
     the one generated token; ``engine_args`` are extra ``vllm.LLM`` keyword arguments.
     Raises ``VllmExtractError`` with the worker's last output lines on any failure.
     """
     log = log or logger
     output, request_path = _write_request(model, layer_ids, samples, work_dir, max_model_len, engine_args)
-    tail = run_worker([python, str(WORKER), str(request_path)], env, timeout_s, log, pidfile=work_dir / PIDFILE_NAME)
+    argv = [python, str(WORKER), str(request_path)]
+    tail = run_worker(argv, env, timeout_s, log, pidfile=work_dir / PIDFILE_NAME, drop_env=drop_env)
     if not output.exists():
         raise VllmExtractError(f"vLLM worker exited cleanly but wrote no {output}" + render(tail))
     return read_output(output, samples, len(layer_ids), tail)
@@ -79,6 +82,7 @@ def stream_with_vllm(
     *,
     max_model_len: int | None = None,
     engine_args: dict | None = None,
+    drop_env: tuple[str, ...] = (),
 ) -> Iterator[dict[str, np.ndarray]]:
     """``extract_with_vllm`` over ``samples`` in chunks (``chunks``: sample counts, in order) with
     one worker, so vLLM starts once: yields each chunk's ``{id: float32 [T, len(layer_ids), H]}``
@@ -102,7 +106,7 @@ def stream_with_vllm(
         [python, str(WORKER), str(request_path)],
         name="vLLM worker",
         logger=log,
-        env=_worker_env(env),
+        env=_worker_env(env, drop_env),
         pidfile=work_dir / PIDFILE_NAME,
         grace_s=KILL_GRACE_S,
         prefix="vllm:",
@@ -195,7 +199,12 @@ def render(tail) -> str:
 
 
 def run_worker(
-    command: list[str], env: dict | None, timeout_s: float, log, pidfile: Path | None = None
+    command: list[str],
+    env: dict | None,
+    timeout_s: float,
+    log,
+    pidfile: Path | None = None,
+    drop_env: tuple[str, ...] = (),
 ) -> collections.deque:
     """Run the worker in its own process group (eagle3/proc.py); return its last output lines.
 
@@ -205,7 +214,7 @@ def run_worker(
     """
     from eagle3 import proc
 
-    full_env = _worker_env(env)
+    full_env = _worker_env(env, drop_env)
     began = time.monotonic()
     try:
         worker = proc.run(
@@ -232,8 +241,8 @@ def run_worker(
     return tail
 
 
-def _worker_env(env: dict | None) -> dict:
-    full_env = dict(os.environ)
+def _worker_env(env: dict | None, drop_env: tuple[str, ...] = ()) -> dict:
+    full_env = child_env(drop=drop_env)
     full_env.update({k: str(v) for k, v in (env or {}).items()})
     full_env.setdefault("HF_HUB_OFFLINE", "1")
     return full_env

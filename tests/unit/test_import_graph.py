@@ -36,8 +36,8 @@ PACKAGES = ("eagle3", "flows", "tasks", "cli")
 
 # Stdlib, pydantic and the run's own vocabulary: the error hierarchy, the config, the run directory's
 # layout, durable files and JSONL records, markers, the manifest and the typed results, the registry,
-# child processes and their guards, torchrun's environment. Nothing here knows a stage, a model or a
-# server.
+# child processes, their guards and their environment, torchrun's environment. Nothing here knows a
+# stage, a model or a server.
 FOUNDATION = (
     "eagle3",
     "eagle3.config",
@@ -53,6 +53,7 @@ FOUNDATION = (
     "eagle3.records",
     "eagle3.results",
     "eagle3.schemas",
+    "eagle3.secret_env",
     "eagle3.stages",
     "eagle3.torchrun",
 )

@@ -329,6 +329,32 @@ def test_stop_during_supervision_is_not_a_restart(make):
         server.restart()
 
 
+def test_the_server_inherits_none_of_this_processs_credentials(make, monkeypatch):
+    """The server gets its own key by VLLM_API_KEY and nothing of the Prefect server's credential, the
+    external servers' key (server.api_key_env, here a custom name), a Hugging Face or OpenAI token."""
+    inherited = {
+        "PREFECT_API_AUTH_STRING": "admin:prefect-secret",
+        "PREFECT_API_KEY": "pnu_cloud-secret",
+        "HF_TOKEN": "hf_secret",
+        "OPENAI_API_KEY": "sk-secret",
+        "EAGLE3_API_KEY": "external-secret",
+        "EAGLE3_MANAGED_SERVER_KEY": "other-managed-secret",
+        "VLLM_API_KEY": "stray-secret",
+        "MY_VLLM_KEY": "custom-named-secret",
+    }
+    for name, value in inherited.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("EAGLE3_HARMLESS", "kept")
+    with make("ok", "--delay", "0", drop_env=("MY_VLLM_KEY",)) as server:
+        raw = Path(f"/proc/{server.pid}/environ").read_bytes().decode()
+        environ = dict(entry.split("=", 1) for entry in raw.split("\0") if entry)
+        cmdline = Path(f"/proc/{server.pid}/cmdline").read_bytes().decode()
+        assert serves_with_key(server)
+    assert environ["VLLM_API_KEY"] == server.api_key and environ["EAGLE3_HARMLESS"] == "kept"
+    leaked = {name for name, value in inherited.items() if value in raw or value in cmdline}
+    assert leaked == set(), f"the server inherited {sorted(leaked)}"
+
+
 def test_given_api_key_is_used_and_validated(make, tmp_path):
     with make("ok", "--delay", "0", api_key="shared-replica-key") as server:
         assert server.api_key == "shared-replica-key" and serves_with_key(server)
