@@ -172,6 +172,53 @@ def test_the_run_report_reads_everything_from_the_run_dir(tmp_path):
     assert f"`{tmp_path / 'generations/'}`" in text or f"`{tmp_path / 'generations'}`" in text
 
 
+def test_a_prefect_api_url_where_no_prefect_api_answers_is_one_line_naming_it(tmp_path):
+    """PREFECT_API_URL at a closed port, or at an HTTP server that is not Prefect's API: one line naming
+    the URL (cli/prefect_auth.py's check, before any flow run), not a traceback, nor the line of a server
+    lost mid-run (cli/prefect_client.py), since nothing started. The two commands run at once."""
+    import functools
+    import http.server
+    import socket
+    import threading
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}/api"
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(tmp_path)))
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    not_prefect = f"http://127.0.0.1:{other.server_address[1]}/api"
+    try:
+        procs = {
+            url: subprocess.Popen(
+                [*EAGLE3, "generate", "--config", str(DEMO_RECIPE)],
+                env={**os.environ, "PREFECT_API_URL": url},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for url in (closed, not_prefect)
+        }
+        out = {url: p.communicate(timeout=300) for url, p in procs.items()}
+    finally:
+        other.shutdown()
+        other.server_close()
+    for url, (_, err) in out.items():
+        assert procs[url].returncode == 1, err[-2000:]
+        assert "Traceback" not in err and "lost the Prefect server" not in err, err[-2000:]
+        assert len(err.strip().splitlines()) == 1, err[-2000:]
+    refused = out[closed][1]
+    assert refused.startswith(f"eagle3 generate: error: no Prefect server answered at PREFECT_API_URL={closed} (")
+    assert "ConnectError" in refused
+    assert out[not_prefect][1].startswith(
+        f"eagle3 generate: error: PREFECT_API_URL={not_prefect} answered 404 Not Found to GET {not_prefect}/hello: "
+    )
+
+
 def test_an_unusable_prefect_credential_file_fails_in_one_line_naming_it(tmp_path):
     """PREFECT_API_AUTH_STRING_FILE (cli/prefect_auth.py) is read before anything else; a missing or empty
     file is one line naming the variable and the path (the 401/200 checks: tests/integration/test_prefect_auth.py)."""
