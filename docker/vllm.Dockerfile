@@ -6,8 +6,11 @@ FROM ${VLLM_IMAGE}
 
 COPY eagle3/extract/vllm_worker.py eagle3/extract/vllm_connector.py /opt/eagle3/extract/
 ENV EAGLE3_VLLM_WORKER=/opt/eagle3/extract/vllm_worker.py
+COPY --chmod=755 scripts/secret-env.sh /opt/eagle3/secret-env.sh
 
 # Serve the target (compose passes the model and flags); the pipeline's external mode points
-# server.urls at http://vllm:8000/v1.
-ENTRYPOINT ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+# server.urls at http://vllm:8000/v1. The key the server requires comes from the file VLLM_API_KEY_FILE
+# names (a compose secret): secret-env.sh sets VLLM_API_KEY from it, which vLLM reads (vllm/envs.py), so
+# the key is never on the server's command line.
+ENTRYPOINT ["/opt/eagle3/secret-env.sh", "python3", "-m", "vllm.entrypoints.openai.api_server"]
 CMD ["--host", "0.0.0.0", "--port", "8000"]

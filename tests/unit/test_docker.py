@@ -1,6 +1,8 @@
 """Static checks of docker/ (no container engine runs here): every copied path exists, the compose
 file parses and wires the services together, and each image's command exists in the project."""
 
+import copy
+import json
 import os
 import re
 import shlex
@@ -83,7 +85,7 @@ def test_the_commands_the_images_run_exist_in_the_project():
     vllm = dict(instructions(DOCKER / "vllm.Dockerfile"))
     assert "vllm.entrypoints.openai.api_server" in vllm["ENTRYPOINT"]
     for src in copy_sources(DOCKER / "vllm.Dockerfile"):
-        assert src.startswith("eagle3/extract/vllm_")
+        assert src.startswith("eagle3/extract/vllm_") or src == "scripts/secret-env.sh", src
 
 
 def test_deployment_entrypoints_exist():
@@ -190,7 +192,7 @@ def test_the_compose_prefect_server_requires_a_credential_read_from_a_secret():
     wants = {"prefect-server": "PREFECT_SERVER_API_AUTH_STRING", "worker": "PREFECT_API_AUTH_STRING"}
     for name, setting in wants.items():
         service = services[name]
-        assert service["secrets"] == [secret], name
+        assert secret in service["secrets"], name
         assert service["environment"][f"{setting}_FILE"] == f"/run/secrets/{secret}", name
         assert service["command"][0] == "scripts/secret-env.sh", f"{name}: the command loads the secret first"
     for name, service in services.items():
@@ -211,12 +213,90 @@ def test_secret_env_loads_a_file_and_refuses_a_missing_one(tmp_path):
     import subprocess
 
     script = str(ROOT / "scripts" / "secret-env.sh")
-    secret = tmp_path / "auth"
-    secret.write_text("admin:pa ss\n")
-    show = 'printf "%s|%s" "$PREFECT_SERVER_API_AUTH_STRING" "${PREFECT_SERVER_API_AUTH_STRING_FILE-unset}"'
-    env = {"PATH": os.environ["PATH"], "PREFECT_SERVER_API_AUTH_STRING_FILE": str(secret)}
+    env = {"PATH": os.environ["PATH"]}
+    show = ""
+    for name in LOADED:
+        secret = tmp_path / name
+        secret.write_text(f"{name}:pa ss\n")
+        env[f"{name}_FILE"] = str(secret)
+        show += f'printf "%s|%s;" "${name}" "${{{name}_FILE-unset}}"; '
     out = subprocess.run([script, "sh", "-c", show], env=env, capture_output=True, text=True, timeout=30)
-    assert (out.returncode, out.stdout) == (0, "admin:pa ss|unset"), out
+    assert (out.returncode, out.stdout) == (0, "".join(f"{name}:pa ss|unset;" for name in LOADED)), out
     env["PREFECT_SERVER_API_AUTH_STRING_FILE"] = str(tmp_path / "missing")
     out = subprocess.run([script, "true"], env=env, capture_output=True, text=True, timeout=30)
     assert out.returncode == 1 and f"PREFECT_SERVER_API_AUTH_STRING_FILE={tmp_path / 'missing'}" in out.stderr, out
+
+
+# What scripts/secret-env.sh turns from NAME_FILE into NAME: Prefect's two settings and vLLM's key on both sides.
+LOADED = (*AUTH_SETTINGS, "VLLM_API_KEY", "EAGLE3_API_KEY")
+# A variable whose name says it holds a credential.
+CREDENTIAL_NAME = re.compile(r"(KEY|TOKEN|SECRET|PASSWORD|AUTH_STRING|CONNECTION_URL)$")
+# Written in the compose file still: the database's password (a default, or the host's POSTGRES_PASSWORD) in the
+# database's environment and in the Prefect server's connection URL. The database is reachable on the compose
+# network only (no published port); reading it from a secret as well is noted in docs/prefect.md#credentials.
+DATABASE_PASSWORD = {("postgres", "POSTGRES_PASSWORD"), ("prefect-server", "PREFECT_API_DATABASE_CONNECTION_URL")}
+
+
+def compose_credential_problems(doc: dict) -> list[str]:
+    """Where docker/compose.yaml writes a credential, or passes one on a command line: a service
+    environment variable named like one (its _FILE form, a path under /run/secrets, is how it should come),
+    a value taken from the host's environment under a credential's name, or a --api-key argument."""
+    problems = []
+    for name, service in doc["services"].items():
+        env = service.get("environment") or {}
+        for var, value in env.items():
+            if (name, var) in DATABASE_PASSWORD:
+                continue
+            if CREDENTIAL_NAME.search(var):
+                problems.append(f"{name}: {var} is set in the file; set {var}_FILE to its secret's path instead")
+            elif var.endswith("_FILE") and not str(value).startswith("/run/secrets/"):
+                problems.append(f"{name}: {var} is not a secret's path: {value}")
+            for ref in re.findall(r"\$\{([A-Za-z0-9_]+)", str(value)):
+                if CREDENTIAL_NAME.search(ref) and (name, var) not in DATABASE_PASSWORD:
+                    problems.append(f"{name}: {var} takes the host's {ref}")
+        words = []
+        for arg in map(str, service.get("command") or []):  # a `bash -c` script's words too
+            words += shlex.split(arg) if " " in arg else [arg]
+        if any(w == "--api-key" or w.startswith("--api-key=") for w in words):
+            problems.append(f"{name}: --api-key on the command line (`ps` shows it to every user)")
+    return problems
+
+
+def test_compose_writes_no_credential_and_vllms_key_comes_from_a_secret():
+    """vLLM's key, like the Prefect credential, is a compose secret's file: the vllm image's entrypoint
+    (scripts/secret-env.sh) sets VLLM_API_KEY from it, which vLLM reads, and the worker gets EAGLE3_API_KEY
+    (server.api_key_env's default) the same way. No service has a credential in its environment or on its
+    command line. The check bites on the ways the file used to do it."""
+    from eagle3.config import ServerConfig
+
+    doc = compose()
+    services = doc["services"]
+    assert compose_credential_problems(doc) == []
+    assert doc["secrets"]["vllm-api-key"] == {"file": "${VLLM_KEY_FILE:-./secrets/vllm-api-key}"}
+    vllm, worker = services["vllm"], services["worker"]
+    assert vllm["secrets"] == ["vllm-api-key"] and vllm["environment"] == {
+        "VLLM_API_KEY_FILE": "/run/secrets/vllm-api-key"
+    }
+    image = instructions(DOCKER / "vllm.Dockerfile")
+    entrypoint = json.loads(dict(image)["ENTRYPOINT"])
+    copied = [shlex.split(rest) for word, rest in image if word == "COPY" and "scripts/secret-env.sh" in rest]
+    assert copied and copied[0][-1] == entrypoint[0], "the entrypoint is the copy of scripts/secret-env.sh"
+    assert "--chmod=755" in copied[0], "the script runs as the entrypoint: it must be executable in the image"
+    assert entrypoint[1:] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+    assert "vllm-api-key" in worker["secrets"] and worker["environment"]["EAGLE3_API_KEY_FILE"] == (
+        "/run/secrets/vllm-api-key"
+    )
+    assert ServerConfig().api_key_env == "EAGLE3_API_KEY", "the worker's flows read the key under the default name"
+    script = (ROOT / "scripts" / "secret-env.sh").read_text()
+    assert all(f"load {name}\n" in script for name in LOADED)
+
+    before = copy.deepcopy(doc)
+    before["services"]["vllm"]["command"] += ["--api-key", "${VLLM_API_KEY:?set VLLM_API_KEY}"]
+    before["services"]["worker"]["environment"]["EAGLE3_API_KEY"] = "${VLLM_API_KEY:?set it}"
+    before["services"]["worker"]["environment"]["HF_TOKEN_FILE"] = "/opt/eagle3/hf-token"
+    assert compose_credential_problems(before) == [
+        "worker: EAGLE3_API_KEY is set in the file; set EAGLE3_API_KEY_FILE to its secret's path instead",
+        "worker: EAGLE3_API_KEY takes the host's VLLM_API_KEY",
+        "worker: HF_TOKEN_FILE is not a secret's path: /opt/eagle3/hf-token",
+        "vllm: --api-key on the command line (`ps` shows it to every user)",
+    ]
