@@ -184,7 +184,7 @@ def test_every_manifest_parses_and_the_kustomization_lists_them():
     assert set(kustomization["resources"]) == files, "kustomization.yaml must list every manifest, and only those"
     assert not list(K8S.glob("*.yml")) and not list(K8S.glob("*.json")), "manifests end in .yaml"
     kinds = {doc["kind"] for _, doc in manifests()}
-    assert {"RayCluster", "PersistentVolumeClaim", "ConfigMap", "Secret", "ServiceAccount", "Deployment"} <= kinds
+    assert {"RayCluster", "PersistentVolumeClaim", "ConfigMap", "ServiceAccount", "Deployment"} <= kinds
     names = [(doc["kind"], doc["metadata"]["name"]) for _, doc in manifests()]
     assert len(names) == len(set(names)), "two objects share a kind and name"
 
@@ -258,8 +258,6 @@ def test_the_worker_drives_the_clusters_head_and_the_config_names_it():
     config_map = one("ConfigMap")
     assert config_map["data"]["EAGLE3_RAY_HEAD"] == head_service
     assert config_map["data"]["PREFECT_API_URL"].endswith("/api")
-    secret = one("Secret")
-    assert "EAGLE3_API_KEY" in secret["stringData"]
 
     deployment = one("Deployment")
     assert (
@@ -269,7 +267,7 @@ def test_the_worker_drives_the_clusters_head_and_the_config_names_it():
     pod = deployment["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == one("ServiceAccount")["metadata"]["name"]
     sources = {next(iter(ref.values()))["name"] for ref in pod["containers"][0]["envFrom"]}
-    assert sources == {config_map["metadata"]["name"], secret["metadata"]["name"]}
+    assert sources == {config_map["metadata"]["name"], "eagle3-keys"}
     script = pod["containers"][0]["args"][0]
     assert 'ray start --address="$EAGLE3_RAY_HEAD" --num-cpus=0 --num-gpus=0 --block' in script
     pool = re.search(r"prefect worker start --pool (\S+) --type process", script).group(1)
@@ -329,6 +327,87 @@ def test_the_worker_presents_the_prefect_credential_from_a_secret_never_a_litera
     assert auth_problems([missing]) == ["the worker does not present PREFECT_API_AUTH_STRING"]
     stored = {"kind": "Secret", "metadata": {"name": "prefect-auth"}, "stringData": {"auth-string": "admin:pass"}}
     assert auth_problems([stored, one("Deployment")]) == ["Secret prefect-auth holds auth-string"]
+
+
+# The Secrets the pods read, each created by hand (never in a manifest): the Prefect credential and the pipeline's keys.
+HAND_MADE = {"prefect-auth", "eagle3-keys"}
+
+
+def secret_refs(doc: dict) -> list[tuple[str, str, str | None, bool]]:
+    """(where, Secret name, key or None for a whole Secret, optional) for every Secret a pod of ``doc`` reads."""
+    if doc["kind"] == "RayCluster":
+        pods = [(f"RayCluster {group}", t["spec"]) for group, t in pod_templates(doc)]
+    elif doc["kind"] == "Deployment":
+        pods = [(f"Deployment {doc['metadata']['name']}", doc["spec"]["template"]["spec"])]
+    else:
+        return []
+    refs = []
+    for where, pod in pods:
+        for c in pod["containers"]:
+            for source in c.get("envFrom", []):
+                if "secretRef" in source:
+                    ref = source["secretRef"]
+                    refs.append((where, ref["name"], None, bool(ref.get("optional"))))
+            for e in c.get("env", []):
+                if ref := e.get("valueFrom", {}).get("secretKeyRef"):
+                    refs.append((where, ref["name"], ref["key"], bool(ref.get("optional"))))
+        for v in pod.get("volumes", []):
+            if "secret" in v:
+                refs.append((where, v["secret"]["secretName"], None, bool(v["secret"].get("optional"))))
+    return refs
+
+
+def secret_problems(docs: list[dict]) -> list[str]:
+    """Where the manifests break the rule for credentials: no manifest holds a Secret (a placeholder
+    value applied as is becomes the credential), every Secret a pod reads is one created by hand, and a
+    Ray pod reads only the Hugging Face token (a whole Secret would reach every Ray worker process; the
+    vLLM key reaches generation on the cluster as a call argument)."""
+    problems = [f"Secret {d['metadata']['name']}: a Secret in the manifests" for d in docs if d["kind"] == "Secret"]
+    for doc in docs:
+        for where, name, key, optional in secret_refs(doc):
+            if name not in HAND_MADE:
+                problems.append(f"{where}: reads the Secret {name}, which nobody is told to create")
+            if name == "eagle3-keys" and not optional:
+                problems.append(f"{where}: eagle3-keys holds only the keys a user needs; its reference is optional")
+            if where.startswith("RayCluster") and (name, key) != ("eagle3-keys", "HF_TOKEN"):
+                problems.append(f"{where}: a Ray pod reads {name}{f'/{key}' if key else ' whole'}")
+    return problems
+
+
+def test_no_manifest_holds_a_secret_and_the_pods_read_the_hand_made_ones():
+    docs = [doc for _, doc in manifests()]
+    assert secret_problems(docs) == []
+    refs = {(where, name, key) for doc in docs for where, name, key, _ in secret_refs(doc)}
+    assert ("Deployment eagle3-prefect-worker", "eagle3-keys", None) in refs
+    assert ("RayCluster gpu", "eagle3-keys", "HF_TOKEN") in refs
+    # How to create each is written where a user looks, from a file (a value on kubectl's command line is in `ps`).
+    texts = {
+        "docs/prefect.md": (ROOT / "docs" / "prefect.md").read_text(),
+        "kustomization.yaml": (K8S / "kustomization.yaml").read_text(),
+    }
+    for name in HAND_MADE:
+        for where, text in texts.items():
+            assert re.search(rf"kubectl -n \S+ create secret generic {name} --from-file=", text), (where, name)
+    for path in [*K8S.glob("*.yaml"), ROOT / "docs" / "prefect.md"]:
+        literal = re.search(r"create secret generic [^`\n]*--from-literal", path.read_text())
+        assert literal is None, f"{path.name}: a value on kubectl's command line"
+    # The check bites: the placeholder Secret back, a Ray pod reading the whole Secret, a required eagle3-keys.
+    placeholder = {"kind": "Secret", "metadata": {"name": "eagle3-keys"}, "stringData": {"EAGLE3_API_KEY": "x"}}
+    assert secret_problems([placeholder]) == ["Secret eagle3-keys: a Secret in the manifests"]
+
+    def whole(d):
+        d["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["envFrom"] = [
+            {"secretRef": {"name": "eagle3-keys", "optional": True}}
+        ]
+
+    assert secret_problems([mutated("RayCluster", whole)]) == ["RayCluster gpu: a Ray pod reads eagle3-keys whole"]
+
+    def required(d):
+        d["spec"]["template"]["spec"]["containers"][0]["envFrom"][1]["secretRef"].pop("optional")
+
+    assert secret_problems([mutated("Deployment", required)]) == [
+        "Deployment eagle3-prefect-worker: eagle3-keys holds only the keys a user needs; its reference is optional"
+    ]
 
 
 def mutated(kind: str, change) -> dict:
