@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 DEMO_RECIPE = ROOT / "recipes" / "tiny-demo.toml"  # the demo recipe: tests start from the demo's values
 # The smallest evaluate a whole-run test can ask for: the trained drafter alone, two held-out prompts of 16
-# tokens, once (the kill matrix and the clean-stop test run `eagle3 run` to its end and need evaluate to run).
+# tokens, once (the kill matrix runs `eagle3 run` to its end and needs evaluate to run).
 SMALL_EVALUATE = [
     "evaluate.compare_untrained=false",
     "evaluate.num_prompts=2",
@@ -113,11 +113,18 @@ RAY_FILES = (
 )
 
 
+# Files whose tests read one module-scoped run between them: one unit, or each worker would make the run.
+SHARED_RUN_FILES = ("tests/integration/test_clean_stop.py",)
+
+
 def work_unit(nodeid: str) -> str:
-    """The unit a test goes out in: "ray" for the Ray files, its own id when it is long, else its file."""
+    """The unit a test goes out in: "ray" for the Ray files, its file for a file of tests that share a run,
+    its own id when it is long, else its file."""
     path = nodeid.split("::")[0]
     if path in RAY_FILES:
         return "ray"
+    if path in SHARED_RUN_FILES:
+        return path
     return nodeid if DURATIONS.get(nodeid, 0.0) >= ALONE_S else path
 
 
