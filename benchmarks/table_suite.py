@@ -54,7 +54,7 @@ def sample_efficiency_arms(results: dict[str, dict]) -> str:
     for name, a in arms.items():
         r, diff = a["result"], a.get("vs_baseline") or {}
         levers = ", ".join(f"`{s}`" for s in [*a["data_sets"], *a["sets"]]) or "(recipe)"
-        against = a.get("baseline", data["baseline"])
+        against = a.get("baseline", "baseline")  # arms before per-arm baselines were all against "baseline"
         if diff.get("difference") is not None:
             change = f"{num(diff['difference'], 3)} {interval(diff['ci95'])} vs {against}"
         else:
