@@ -22,6 +22,13 @@ from conftest import ROOT
 RAY = ROOT / ".venv" / "bin" / "ray"
 
 
+# The GCS declares a node dead after this many failed health checks this far apart. With Ray's
+# defaults (3 s x 5) a SIGKILLed raylet was declared dead 14 s later, and the task that ran there was
+# retried only then (Ray 2.60, measured here); its refused connection fails each check at once, so
+# 1 s x 3 declares it in ~3 s, while a raylet that is merely slow keeps each check's 10 s timeout.
+HEALTH_CHECKS = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3"}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -39,7 +46,7 @@ class LocalCluster:
         self.temp_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
         self.log_dir = log_dir
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT)}
+        self.env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT), **HEALTH_CHECKS}
         self.procs: list[subprocess.Popen] = []
         try:
             for i in range(nodes):
@@ -107,9 +114,24 @@ class LocalCluster:
             time.sleep(1.0)
         raise AssertionError(f"the local Ray cluster did not reach {nodes} live nodes in {timeout_s:.0f} s")
 
-    def kill_node(self, i: int) -> None:
-        """SIGKILL one node's whole process group (its raylet and every worker it started)."""
-        _kill_group(self.procs[i], grace_s=0.0)
+    def kill_node(self, i: int) -> list[int]:
+        """SIGKILL node ``i`` as a machine that vanishes: its ``ray start`` group (the raylet and its
+        agents) and every process below it in one sweep. Ray starts each worker in a session of its
+        own, so the group alone would leave the workers (and what they started: torchrun) running,
+        still answering calls. Returns the pids killed."""
+        root = self.procs[i]
+        doomed = [root.pid, *_descendants(root.pid)]
+        for pid in doomed:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        _kill_group(root, grace_s=0.0)
+        return doomed
+
+    def node_pids(self, i: int) -> set[int]:
+        """Node ``i``'s processes: its ``ray start``, the raylet and agents, the workers and theirs."""
+        return {self.procs[i].pid, *_descendants(self.procs[i].pid)}
 
     def stop(self) -> None:
         for p in reversed(self.procs):
@@ -121,6 +143,26 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _descendants(root: int) -> list[int]:
+    """Every live process below ``root`` in the process tree, whatever its group or session."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                parent = int(fh.read().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 def _kill_group(proc: subprocess.Popen, grace_s: float) -> None:
