@@ -70,11 +70,18 @@ def connect(cluster: ClusterConfig):
     return ray
 
 
+def fitting_nodes(ray, asked: dict[str, float]) -> list[dict]:
+    """The live nodes whose total resources hold ``asked`` (one task's or one bundle's): those Ray
+    can ever place it on, busy or not."""
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    return [n for n in nodes if all(n["Resources"].get(k, 0.0) >= v for k, v in asked.items() if v > 0)]
+
+
 def check_resources(ray, stage: str, asked: dict[str, float], count: int = 1) -> None:
     """Refuse at once a request no node of the cluster can ever hold (Ray would queue it forever):
     ``asked`` is one task's or bundle's resources, ``count`` how many must fit at the same time."""
     nodes = [n for n in ray.nodes() if n.get("Alive")]
-    fits = sum(1 for n in nodes if all(n["Resources"].get(k, 0.0) >= v for k, v in asked.items() if v > 0))
+    fits = len(fitting_nodes(ray, asked))
     if fits < count:
         have = (
             ", ".join("{" + ", ".join(f"{k}: {n['Resources'].get(k, 0):g}" for k in asked) + "}" for n in nodes)
@@ -85,6 +92,56 @@ def check_resources(ray, stage: str, asked: dict[str, float], count: int = 1) ->
             f"{stage}: needs {count} node(s) with {{{want}}} free, but the cluster's nodes have {have}; add nodes or "
             "lower the cluster.* resources for this stage"
         )
+
+
+def describe_node(node_id: str, ip: str = "") -> str:
+    """A Ray node as the errors name it: its id's first 8 hex digits (what `ray list nodes` shows
+    in full) and its address."""
+    return f"Ray node {node_id[:8]}" + (f" at {ip}" if ip else "")
+
+
+def dead_nodes(ray, node_ids: list[str]) -> dict[str, str]:
+    """Those of ``node_ids`` the GCS counts dead, with the reason it recorded (a node it no longer
+    lists counts as gone too: a restarted head forgets the old cluster's nodes)."""
+    table = {n["NodeID"]: n for n in ray.nodes()}
+    gone = {}
+    for node_id in node_ids:
+        node = table.get(node_id)
+        if node is None:
+            gone[node_id] = "unknown to the cluster's head"
+        elif not node.get("Alive"):
+            gone[node_id] = node.get("DeathReasonMessage") or "dead"
+    return gone
+
+
+def wait_for_tasks(ray, refs: list, asked: dict[str, float], wait_s: float, on_done=None, poll_s: float = 2.0):
+    """Wait until every task of ``refs`` has ended, or give up on those no live node can run.
+
+    Ray queues a task it cannot place for as long as it takes (an autoscaler might add a node), so
+    after a lost node a task that only that node could hold (its GPUs, say), or a retry of one that
+    ran there, would hold the stage forever. Every ``poll_s`` the live nodes are checked against one
+    task's ``asked``; once none has held it for ``wait_s`` in a row, the unfinished tasks are
+    cancelled. ``on_done(index)`` sees each task end. Returns the indices cancelled that way."""
+    pending = {ref: i for i, ref in enumerate(refs)}
+    homeless_since: float | None = None
+    while pending:
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=poll_s)
+        for ref in ready:
+            index = pending.pop(ref)
+            if on_done is not None:
+                on_done(index)
+        if not pending:
+            break
+        if fitting_nodes(ray, asked):
+            homeless_since = None
+            continue
+        now = time.monotonic()
+        homeless_since = now if homeless_since is None else homeless_since
+        if now - homeless_since >= wait_s:
+            for ref in pending:
+                ray.cancel(ref, force=True)
+            return set(pending.values())
+    return set()
 
 
 WORKDIR_ENV = "EAGLE3_WORKDIR"

@@ -54,6 +54,19 @@ class ClusterConfig(_Strict):
             "keeps dying fails the flow in minutes, naming the shard."
         ),
     )
+    node_wait_s: float = Field(
+        300.0,
+        gt=0,
+        description=(
+            "How long a stage waits for a lost Ray node to come back before it gives up, naming what it lacks: "
+            "shard tasks no live node can run any more (Ray would queue them forever) are cancelled and counted "
+            "lost after this long, and a training run that needs train.nnodes nodes while a node of its last "
+            "attempt is gone waits this long for the node before failing with an error that names it. 300 s: a "
+            "node restarted by its supervisor (a Kubernetes pod recreated from a cached image, a systemd unit) "
+            "rejoins within a few minutes (assumption; on loopback here `ray start` rejoined in 13-16 s), and a "
+            "longer outage needs a person, whom the error tells what to do."
+        ),
+    )
     tokenize_cpus: float = Field(
         1.0,
         gt=0,

@@ -1,7 +1,9 @@
-"""``[cluster]`` without a cluster: the settings' checks, the deadline on reaching a head, and no Ray
-import anywhere unless an address is set (tests/integration/test_cluster.py runs a real cluster)."""
+"""``[cluster]`` without a cluster: the settings' checks, the deadline on reaching a head, the waits for
+a lost node (over a stand-in node table), and no Ray import anywhere unless an address is set
+(tests/integration/test_cluster.py runs a real cluster)."""
 
 import subprocess
+import threading
 import time
 
 import pytest
@@ -102,3 +104,49 @@ def test_the_cli_refuses_an_unreachable_head_before_any_stage_runs(tmp_path):
     # A stage that does not use the cluster does not need it.
     prepare = run("prepare", "--config", str(DEMO_RECIPE), *[x for s in sets for x in ("--set", s)])
     assert prepare.returncode == 0 and "no Ray head answered" not in prepare.stderr, prepare.stderr[-2000:]
+
+
+class FakeRay:
+    """The few calls the lost-node waits make, over a node table a test changes as it goes: ``ready``
+    are the refs whose tasks have ended, ``nodes`` what ``ray.nodes()`` answers."""
+
+    def __init__(self, nodes: list[dict]):
+        self.nodes_now, self.ready, self.cancelled = nodes, set(), []
+
+    def nodes(self) -> list[dict]:
+        return self.nodes_now
+
+    def wait(self, refs, num_returns, timeout):
+        time.sleep(timeout)
+        return [r for r in refs if r in self.ready], [r for r in refs if r not in self.ready]
+
+    def cancel(self, ref, force):
+        self.cancelled.append((ref, force))
+
+
+def node(node_id: str, alive: bool = True, **resources: float) -> dict:
+    dead = {} if alive else {"DeathReasonMessage": "health check failed due to missing too many heartbeats"}
+    return {"NodeID": node_id, "Alive": alive, "Resources": resources if alive else {}, **dead}
+
+
+def test_shard_tasks_no_live_node_can_run_are_cancelled_after_the_node_wait_and_returned():
+    """After the only GPU node is lost Ray would queue its shard's retry forever: the wait gives up on it
+    once no live node has held one task's resources for node_wait_s in a row, and only then."""
+    from eagle3.cluster import wait_for_tasks
+
+    ray = FakeRay([node("cpu", CPU=4), node("gpu", CPU=4, GPU=1)])
+    ray.ready.add("a")
+    ended = []
+    flap = threading.Timer(0.25, lambda: setattr(ray, "nodes_now", [node("cpu", CPU=4), node("gpu", alive=False)]))
+    flap.start()
+    started = time.monotonic()
+    gave_up = wait_for_tasks(ray, ["a", "b"], {"CPU": 1, "GPU": 1}, wait_s=0.5, on_done=ended.append, poll_s=0.05)
+    assert gave_up == {1} and ended == [0] and ray.cancelled == [("b", True)]
+    assert 0.75 <= time.monotonic() - started < 5, "the clock starts when the node is gone, not before"
+    # A node that comes back within the wait resets the clock, and the task ends by itself.
+    ray.cancelled.clear()
+    back = threading.Timer(0.3, lambda: setattr(ray, "nodes_now", [node("gpu2", CPU=4, GPU=1)]))
+    done = threading.Timer(0.9, lambda: ray.ready.add("b"))
+    back.start(), done.start()
+    assert wait_for_tasks(ray, ["b"], {"CPU": 1, "GPU": 1}, wait_s=0.5, poll_s=0.05) == set()
+    assert ray.cancelled == []
