@@ -212,6 +212,11 @@ class RunLayout:
         return self.train / "torchrun.pid"
 
     @property
+    def train_nodes(self) -> Path:
+        """The Ray nodes the last training attempt on the cluster ran on (a retry looks for them)."""
+        return self.train / "cluster_nodes.json"
+
+    @property
     def train_marker(self) -> Path:
         return marker_path(self.train)
 

@@ -13,12 +13,23 @@ process, the same checkpoints, resume and ``[rank 0] step N/M`` lines):
   hands them to ``on_line``; a node whose torchrun exits non-zero, an actor that dies or stops
   answering, or ``train.timeout_s`` stops every node (the actors' groups, then ``ray.kill``) and
   raises ``TrainFailed`` (transient: the Prefect task's retry resumes from checkpoints/latest.json).
+  An actor lost with its node is named by its node index and Ray node: it is checked before the
+  other nodes' exit codes, since their torchrun then fails on the broken collective too.
 The placement group is removed at the end in every case. Why not Ray Train: docs/stages.md (train).
+
+A lost node, decided: the job never shrinks by itself. Which Ray nodes an attempt ran on is written
+to ``train/cluster_nodes.json``; a later attempt that finds fewer live nodes able to hold a bundle
+than ``train.nnodes`` while one of those is gone waits ``cluster.node_wait_s`` for the cluster to
+have them again, then fails (transient) naming the node and the two ways on: bring it back, or set
+``train.nnodes`` to the nodes left with a ``train.grad_accum`` that keeps the checkpoint's global
+batch (the worker refuses any other). Shrinking by itself would change the run's arithmetic behind
+the user's back; with enough live nodes left (a spare node) the retry simply places on them.
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import os
 import socket
@@ -27,9 +38,19 @@ import threading
 import time
 from pathlib import Path
 
-from eagle3.cluster import check_resources, connect, enter_workdir, workdir_env
+from eagle3.cluster import (
+    check_resources,
+    connect,
+    dead_nodes,
+    describe_node,
+    enter_workdir,
+    fitting_nodes,
+    workdir_env,
+)
 from eagle3.config import PipelineConfig
+from eagle3.durable import atomic_write_json
 from eagle3.errors import TrainFailed
+from eagle3.layout import RunLayout
 from eagle3.torchrun import torchrun_env as local_env
 
 # How long one poll of a node may take before the node counts as lost (a live actor answers in
@@ -46,6 +67,8 @@ STOP_GRACE_S = 15.0
 BUFFER_LINES = 20000
 # Lines quoted per node in the error of a failed job.
 TAIL_LINES = 20
+# Between two looks at the cluster while a retry waits for a lost node to come back.
+NODE_POLL_S = 2.0
 
 log_module = logging.getLogger(__name__)
 
@@ -104,6 +127,12 @@ class NodeRunner:
             self._lines.append(line)
             self._count += 1
 
+    def where(self) -> dict:
+        """This actor's Ray node: its id and IP (what a lost node's error names)."""
+        import ray
+
+        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address()}
+
     def start(self, argv: list[str], env: dict[str, str], drop_env: tuple[str, ...] = ()) -> int:
         """Start torchrun in its own group under a guard, with this node's environment less its
         credentials (eagle3/secret_env.py; ``drop_env`` names more) and ``env`` over it; returns its pid."""
@@ -145,11 +174,79 @@ class NodeRunner:
             self._stopped = True
 
 
-def _placement(ray, config: PipelineConfig):
-    """The placement group, ready, or ClusterTooSmall / TrainFailed naming what was asked."""
+def _last_nodes(path: Path) -> list[dict]:
+    """The nodes the last attempt ran on (``[]`` when none was recorded or the file is unreadable:
+    then a short cluster is refused as one that never had the nodes)."""
+    try:
+        return list(json.loads(path.read_text())["nodes"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+def _wait_for_lost_nodes(ray, config: PipelineConfig, nodes_file: Path, log) -> None:
+    """Return once train.nnodes live nodes can hold a bundle. With fewer, and a node of the last
+    attempt gone, wait up to cluster.node_wait_s for the cluster to have them again, then raise
+    TrainFailed naming the node; with none of its nodes gone, return at once (check_resources then
+    refuses a cluster that never had enough)."""
+    asked, nodes = bundle(config), config.train.nnodes
+    if len(fitting_nodes(ray, asked)) >= nodes:
+        return
+    last = _last_nodes(nodes_file)
+    gone = dead_nodes(ray, [n["node_id"] for n in last])
+    if not gone:
+        return
+    lost = [n for n in last if n["node_id"] in gone]
+    names = ", ".join(f"node {n['node']} ({describe_node(n['node_id'], n['ip'])}: {gone[n['node_id']]})" for n in lost)
+    wait_s = config.cluster.node_wait_s
+    log.warning(
+        "train: %s of the last attempt gone; waiting up to cluster.node_wait_s=%g s for %d nodes", names, wait_s, nodes
+    )
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if len(fitting_nodes(ray, asked)) >= nodes:
+            return
+        time.sleep(max(0.0, min(NODE_POLL_S, deadline - time.monotonic())))
+    live = len(fitting_nodes(ray, asked))
+    if live >= nodes:
+        return
+    raise TrainFailed(
+        f"train: train.nnodes={nodes} needs {nodes} nodes with {_want(asked)} and the cluster has {live}: {names} of "
+        f"this run's last attempt did not come back within cluster.node_wait_s={wait_s:g} s. {_ways_on(config, live)}"
+    )
+
+
+def _want(asked: dict[str, float]) -> str:
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in asked.items()) + "}"
+
+
+def _ways_on(config: PipelineConfig, live: int) -> str:
+    """What the person can do about a lost node: bring it back, or (nodes left) train on those at the
+    checkpoint's global batch."""
+    t = config.train
+    head = config.cluster.address
+    start = f"`ray start --address={head}`" if not head.startswith("ray://") else "`ray start --address=HEAD:PORT`"
+    back = f"Bring the node back ({start} on its machine) and rerun: training resumes from its last checkpoint"
+    if live < 1:
+        return back
+    per_step = t.nnodes * t.nproc_per_node * t.grad_accum  # micro-batches per optimizer step
+    if per_step % (live * t.nproc_per_node):
+        return (
+            f"{back}; a resume on fewer nodes must keep the checkpoint's global batch, train.nnodes x "
+            f"train.nproc_per_node x train.grad_accum = {per_step}"
+        )
+    return (
+        f"{back}; or resume on the nodes left: train.nnodes={live} with train.grad_accum="
+        f"{per_step // (live * t.nproc_per_node)} keeps the checkpoint's global batch"
+    )
+
+
+def _placement(ray, config: PipelineConfig, nodes_file: Path, log):
+    """The placement group, ready, or ClusterTooSmall / TrainFailed naming what was asked (after a
+    lost node, once the wait for it has ended: _wait_for_lost_nodes)."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
     asked, nodes = bundle(config), config.train.nnodes
+    _wait_for_lost_nodes(ray, config, nodes_file, log)
     check_resources(ray, "train", asked, count=nodes)
     group = placement_group([dict(asked) for _ in range(nodes)], strategy="STRICT_SPREAD")
     wait_s = config.cluster.connect_timeout_s
@@ -175,9 +272,11 @@ def run_on_cluster(config: PipelineConfig, request: Path, log, on_line, threads:
     started = time.monotonic()
     deadline = started + config.train.timeout_s
     nodes, asked = config.train.nnodes, bundle(config)
-    group = _placement(ray, config)
+    nodes_file = RunLayout.of(config).train_nodes
+    group = _placement(ray, config, nodes_file, log)
     remote = ray.remote(NodeRunner)
     actors: list = []
+    placed: list[dict] = []  # each node's pid, Ray node id and IP, once started
     tails = [collections.deque(maxlen=TAIL_LINES) for _ in range(nodes)]
 
     def failed(node: int | None, why: str) -> TrainFailed:
@@ -197,9 +296,7 @@ def run_on_cluster(config: PipelineConfig, request: Path, log, on_line, threads:
         try:
             return ray.get(ref, timeout=max(0.1, min(wait_s, left)))
         except RayActorError as exc:
-            lost = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            why = f"its actor died while {what} (its Ray node or worker process was lost: {lost})"
-            raise failed(node, why) from None
+            raise failed(node, _lost_actor(ray, placed[node] if node < len(placed) else None, what, exc)) from None
         except GetTimeoutError:
             # The wait was cut to the job's deadline: that deadline is what ran out (ray.get may give
             # up a hair before it, so the clock alone would misname the cause).
@@ -222,16 +319,21 @@ def run_on_cluster(config: PipelineConfig, request: Path, log, on_line, threads:
             )
         master = get(actors[0].address.remote(), 0, "starting", ACTOR_START_S)
         torch_env = torchrun_env(threads)
-        pids = [
-            get(
-                a.start.remote(node_argv(config, request, i, master), torch_env, (config.server.api_key_env,)),
-                i,
-                "starting",
-                ACTOR_START_S,
-            )
-            for i, a in enumerate(actors)
-        ]
-        log.info("train: torchrun on %d cluster nodes (master %s:%d, pids %s)", nodes, *master, pids)
+        for i, a in enumerate(actors):
+            placed.append(get(a.where.remote(), i, "starting", ACTOR_START_S))
+            argv = node_argv(config, request, i, master)
+            ref = a.start.remote(argv, torch_env, (config.server.api_key_env,))
+            placed[i]["pid"] = get(ref, i, "starting", ACTOR_START_S)
+        atomic_write_json(
+            nodes_file, {"nodes": [{"node": i, "node_id": p["node_id"], "ip": p["ip"]} for i, p in enumerate(placed)]}
+        )
+        log.info(
+            "train: torchrun on %d cluster nodes (master %s:%d, pids %s; %s)",
+            nodes,
+            *master,
+            [p["pid"] for p in placed],
+            ", ".join(describe_node(p["node_id"], p["ip"]) for p in placed),
+        )
         cursors, codes = [0] * nodes, [None] * nodes
         while True:
             if time.monotonic() >= deadline:
@@ -268,6 +370,25 @@ def run_on_cluster(config: PipelineConfig, request: Path, log, on_line, threads:
     finally:
         _stop_all(ray, actors)
         remove_placement_group(group)
+
+
+def _lost_actor(ray, where: dict | None, what: str, exc: Exception) -> str:
+    """Why a node's actor is gone, naming its Ray node, and whether Ray already counts that node dead
+    (the GCS says so only after its health checks fail: ~15 s with Ray's defaults)."""
+    said = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if where is None:
+        return f"its actor died while {what} (its Ray node or worker process was lost: {said})"
+    node = describe_node(where["node_id"], where["ip"])
+    try:
+        gone = dead_nodes(ray, [where["node_id"]])
+    except Exception as lookup:  # noqa: BLE001 - the cause is named either way
+        gone, said = {}, f"{said}; the node table could not be read: {lookup}"
+    if gone:
+        return (
+            f"lost with {node} while {what}: Ray counts that node dead ({gone[where['node_id']]}; its actor: {said}). "
+            "A rerun needs train.nnodes live nodes and waits up to cluster.node_wait_s for one to come back"
+        )
+    return f"its actor on {node} died or cannot be reached while {what} (its node or worker process was lost: {said})"
 
 
 def torchrun_env(threads: int) -> dict[str, str]:

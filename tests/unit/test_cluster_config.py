@@ -150,3 +150,47 @@ def test_shard_tasks_no_live_node_can_run_are_cancelled_after_the_node_wait_and_
     back.start(), done.start()
     assert wait_for_tasks(ray, ["b"], {"CPU": 1, "GPU": 1}, wait_s=0.5, poll_s=0.05) == set()
     assert ray.cancelled == []
+
+
+def test_a_training_retry_waits_for_its_lost_node_then_names_it_and_the_ways_on(tmp_path, monkeypatch):
+    import logging
+
+    from eagle3.cluster import train as cluster_train
+    from eagle3.errors import TrainFailed, is_permanent
+
+    monkeypatch.setattr(cluster_train, "NODE_POLL_S", 0.05)
+    config = config_with(
+        'cluster.address="head:6379"', "cluster.train_gpus_per_process=0", "cluster.node_wait_s=0.3", "train.nnodes=2"
+    )
+    nodes_file = tmp_path / "cluster_nodes.json"
+    nodes_file.write_text(
+        '{"nodes": [{"node": 0, "node_id": "aaaa0000ff", "ip": "10.0.0.1"}, '
+        '{"node": 1, "node_id": "bbbb1111ff", "ip": "10.0.0.2"}]}'
+    )
+    log = logging.getLogger("test")
+    ray = FakeRay([node("aaaa0000ff", CPU=1), node("bbbb1111ff", alive=False)])
+    started = time.monotonic()
+    with pytest.raises(TrainFailed) as err:
+        cluster_train._wait_for_lost_nodes(ray, config, nodes_file, log)
+    assert 0.3 <= time.monotonic() - started < 5
+    said = str(err.value)
+    assert said.startswith(
+        "train: train.nnodes=2 needs 2 nodes with {CPU: 1} and the cluster has 1: node 1 (Ray node bbbb1111 at "
+        "10.0.0.2: health check failed due to missing too many heartbeats) of this run's last attempt did not come "
+        "back within cluster.node_wait_s=0.3 s. Bring the node back (`ray start --address=head:6379` on its machine)"
+    ), said
+    assert said.endswith("train.nnodes=1 with train.grad_accum=2 keeps the checkpoint's global batch"), said
+    assert not is_permanent(err.value), "the node may be back for the next retry"
+    # The node back within the wait: the retry goes on.
+    threading.Timer(0.1, lambda: setattr(ray, "nodes_now", [node("aaaa0000ff", CPU=1), node("cccc", CPU=1)])).start()
+    cluster_train._wait_for_lost_nodes(
+        ray,
+        config.model_copy(update={"cluster": config.cluster.model_copy(update={"node_wait_s": 5.0})}),
+        nodes_file,
+        log,
+    )
+    # None of the last attempt's nodes gone: no wait (the cluster never had 2; check_resources refuses it).
+    ray.nodes_now = [node("aaaa0000ff", CPU=1), node("bbbb1111ff", CPU=0.5)]
+    started = time.monotonic()
+    cluster_train._wait_for_lost_nodes(ray, config, nodes_file, log)
+    assert time.monotonic() - started < 0.1
