@@ -196,11 +196,13 @@ async def run_shards_async(
 
 
 def _named(name: str, exc: Exception, retries: int) -> BaseException:
-    """The task's own error as raised; Ray's word that its worker died, as one line naming the task."""
+    """The task's own error as raised; Ray's word that its worker or node died, as one line naming the
+    task (Ray's class says which: WorkerCrashedError, NodeDiedError)."""
     module = type(exc).__module__ or ""
     if module.startswith("ray."):
         return ShardLost(
-            f"{name}: its Ray worker died {retries + 1} time(s) (cluster.task_max_retries={retries}); the shard's "
-            f"finished part is on disk and a rerun resumes it ({type(exc).__name__}: {str(exc).splitlines()[0]})"
+            f"{name}: its Ray worker or node died {retries + 1} time(s) (cluster.task_max_retries={retries}); the "
+            f"shard's finished part is on disk and a rerun resumes it ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0]})"
         )
     return exc
