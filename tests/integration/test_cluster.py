@@ -114,7 +114,7 @@ class KillNodeMidShard(threading.Thread):
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """One two-node loopback cluster for the module (it takes ~15 s to start); the driver leaves after each test."""
-    with LocalCluster(tmp_path_factory.mktemp("ray-logs"), nodes=2, cpus=1) as local:
+    with LocalCluster(tmp_path_factory.mktemp("ray-logs"), nodes=2, cpus=1, quick_node_death=True) as local:
         yield local
 
 

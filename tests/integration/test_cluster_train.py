@@ -24,7 +24,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with LocalCluster(tmp_path_factory.mktemp("ray-logs"), nodes=2, cpus=1) as c:
+    with LocalCluster(tmp_path_factory.mktemp("ray-logs"), nodes=2, cpus=1, quick_node_death=True) as c:
         try:
             yield c
         finally:
