@@ -246,19 +246,25 @@ def _placement(ray, config: PipelineConfig, nodes_file: Path, log):
     from ray.util.placement_group import placement_group, remove_placement_group
 
     asked, nodes = bundle(config), config.train.nnodes
-    _wait_for_lost_nodes(ray, config, nodes_file, log)
-    check_resources(ray, "train", asked, count=nodes)
-    group = placement_group([dict(asked) for _ in range(nodes)], strategy="STRICT_SPREAD")
     wait_s = config.cluster.connect_timeout_s
-    if not group.wait(wait_s):
+    for look in range(2):
+        _wait_for_lost_nodes(ray, config, nodes_file, log)
+        check_resources(ray, "train", asked, count=nodes)
+        group = placement_group([dict(asked) for _ in range(nodes)], strategy="STRICT_SPREAD")
+        if group.wait(wait_s):
+            return group
         remove_placement_group(group)
-        want = ", ".join(f"{k}: {v:g}" for k, v in asked.items())
-        raise TrainFailed(
-            f"train: the cluster did not grant {nodes} node(s) with {{{want}}} each (one per node, train.nnodes x "
-            f"train.nproc_per_node x cluster.train_*_per_process) within cluster.connect_timeout_s={wait_s:g} s; "
-            f"free now: {ray.available_resources()}. Other jobs hold them; rerun when they are free"
-        )
-    return group
+        # Ray counts a lost node alive until its health checks have failed (14 s with its defaults), so a
+        # retry sooner than that asked for it as well; declared dead now, the lost-node wait decides.
+        last = [n["node_id"] for n in _last_nodes(nodes_file)]
+        if look == 0 and last and dead_nodes(ray, last):
+            continue
+        break
+    raise TrainFailed(
+        f"train: the cluster did not grant {nodes} node(s) with {_want(asked)} each (one per node, train.nnodes x "
+        f"train.nproc_per_node x cluster.train_*_per_process) within cluster.connect_timeout_s={wait_s:g} s; "
+        f"free now: {ray.available_resources()}. Other jobs hold them; rerun when they are free"
+    )
 
 
 def run_on_cluster(config: PipelineConfig, request: Path, log, on_line, threads: int) -> None:

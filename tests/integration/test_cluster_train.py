@@ -182,6 +182,13 @@ def test_a_lost_node_fails_naming_it_and_the_run_resumes_on_the_node_left_to_the
     assert not placement_groups_left()
 
     # The retry while that node is gone: it waits cluster.node_wait_s for the node, then names it and the ways on.
+    # It starts once Ray counts the node dead (~3 s here): one that comes sooner also asks for the node and
+    # looks again after cluster.connect_timeout_s (test_cluster_config.py), 30 s this test need not spend.
+    import ray
+
+    deadline = time.monotonic() + 30
+    while all(n["Alive"] for n in ray.nodes()) and time.monotonic() < deadline:
+        time.sleep(0.2)
     waits = config.model_copy(update={"cluster": config.cluster.model_copy(update={"node_wait_s": 2.0})})
     started = time.monotonic()
     with pytest.raises(TrainFailed) as refused:

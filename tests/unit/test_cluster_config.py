@@ -123,6 +123,9 @@ class FakeRay:
     def cancel(self, ref, force):
         self.cancelled.append((ref, force))
 
+    def available_resources(self) -> dict:
+        return {}
+
 
 def node(node_id: str, alive: bool = True, **resources: float) -> dict:
     dead = {} if alive else {"DeathReasonMessage": "health check failed due to missing too many heartbeats"}
@@ -194,3 +197,51 @@ def test_a_training_retry_waits_for_its_lost_node_then_names_it_and_the_ways_on(
     started = time.monotonic()
     cluster_train._wait_for_lost_nodes(ray, config, nodes_file, log)
     assert time.monotonic() - started < 0.1
+
+
+def test_a_training_retry_before_ray_declares_the_node_dead_looks_again_once_it_has(tmp_path, monkeypatch):
+    """Ray counts a lost node alive until its health checks fail, so a quick retry's placement group asks
+    for it too and is not granted; by then the node is declared dead, and the retry looks again: it places
+    on a spare node, or (none) waits for the lost one and names it."""
+    import logging
+    import sys
+    import types
+
+    from eagle3.cluster import train as cluster_train
+    from eagle3.errors import TrainFailed
+
+    monkeypatch.setattr(cluster_train, "NODE_POLL_S", 0.05)
+    ray = FakeRay([node("aaaa0000ff", CPU=1), node("bbbb1111ff", CPU=1), node("cccc2222ff", CPU=1)])
+    declared = [node("aaaa0000ff", CPU=1), node("bbbb1111ff", alive=False), node("cccc2222ff", CPU=1)]
+    asked = []
+
+    class Group:
+        def wait(self, timeout_s):
+            asked.append(timeout_s)
+            if len(asked) == 1:  # the GCS declares the lost node dead while the first group waits
+                ray.nodes_now = declared
+                return False
+            return True
+
+    fake = types.ModuleType("ray.util.placement_group")
+    fake.placement_group = lambda bundles, strategy: Group()
+    fake.remove_placement_group = lambda group: None
+    monkeypatch.setitem(sys.modules, "ray.util.placement_group", fake)
+    config = config_with(
+        'cluster.address="head:6379"', "cluster.train_gpus_per_process=0", "cluster.node_wait_s=0.2", "train.nnodes=2"
+    )
+    nodes_file = tmp_path / "cluster_nodes.json"
+    nodes_file.write_text(
+        '{"nodes": [{"node": 0, "node_id": "aaaa0000ff", "ip": "10.0.0.1"}, '
+        '{"node": 1, "node_id": "bbbb1111ff", "ip": "10.0.0.2"}]}'
+    )
+    log = logging.getLogger("test")
+    assert isinstance(cluster_train._placement(ray, config, nodes_file, log), Group)
+    assert len(asked) == 2, "placed on the spare node at the second look"
+    # No spare node: the second look waits for the lost one, then names it.
+    asked.clear()
+    ray.nodes_now = [node("aaaa0000ff", CPU=1), node("bbbb1111ff", CPU=1)]
+    declared = [node("aaaa0000ff", CPU=1), node("bbbb1111ff", alive=False)]
+    with pytest.raises(TrainFailed, match=r"node 1 \(Ray node bbbb1111 at 10.0.0.2: .* did not come back"):
+        cluster_train._placement(ray, config, nodes_file, log)
+    assert len(asked) == 1
