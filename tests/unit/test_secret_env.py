@@ -68,12 +68,17 @@ def test_the_list_names_the_pipelines_own_key_variables():
     assert set(CREDENTIALS) - set(CUSTOM) <= SECRET_ENV
 
 
-def test_torchrun_inherits_no_credential(credentials):
+def test_torchrun_inherits_no_credential(credentials, monkeypatch):
     from eagle3.cluster.train import torchrun_env as cluster_env
     from eagle3.torchrun import torchrun_env
 
+    # Another test in the same worker (or an import: Ray sets it) may have left OMP_NUM_THREADS set; the
+    # environment's setting wins over the argument, so both cases are asked for here.
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     env = torchrun_env(2, drop=CUSTOM)
     assert leaked(env) == [] and env["EAGLE3_HARMLESS"] == "kept" and env["OMP_NUM_THREADS"] == "2"
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert torchrun_env(2, drop=CUSTOM)["OMP_NUM_THREADS"] == "3"
     assert leaked(cluster_env(2)) == [], "what the driver sends to the nodes"
 
 
