@@ -58,6 +58,7 @@ import httpx
 from eagle3.config import GenerationConfig
 from eagle3.errors import Eagle3Error
 from eagle3.records import JsonlAppender
+from eagle3.serving import down
 
 TRANSIENT_STATUS = {408, 409, 425, 429}
 # A benched replica comes back when a probe answers; without a running event loop (no
@@ -197,6 +198,7 @@ class EndpointPool:
 
     def acquire(self, avoid: Endpoint | None = None) -> Lease:
         """A lease on the least busy replica that is up, other than ``avoid`` when possible."""
+        self._bench_known_down()
         up = self._up(time.monotonic())
         candidates = [e for e in up if e is not avoid] or up or sorted(self.endpoints, key=lambda e: e.down_until)[:1]
         chosen = min(candidates, key=lambda e: e.outstanding)
@@ -221,6 +223,12 @@ class EndpointPool:
                 self._bench(e, f"dropped {e.drops} connections in a row")
         elif kind.startswith("http_"):
             e.drops = 0  # it answered: alive, whatever it said
+
+    def _bench_known_down(self) -> None:
+        """Bench each replica whose supervisor in this process has seen it die (eagle3/serving/down.py)."""
+        for e in self.endpoints:
+            if (why := down.why_down(e.base_url)) is not None:
+                self._bench(e, why)
 
     def _bench(self, e: Endpoint, why: str) -> None:
         now = time.monotonic()
@@ -266,6 +274,7 @@ class EndpointPool:
         """Hold the caller while every replica is benched, for at most outage_wait_s per outage."""
         if self.outage_wait_s <= 0:
             return
+        self._bench_known_down()
         while not self._up(now := time.monotonic()):
             if self._outage_since is None:
                 self._outage_since = now

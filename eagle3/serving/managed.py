@@ -29,6 +29,7 @@ from eagle3 import orphans, proc
 from eagle3.config import PipelineConfig
 from eagle3.errors import TransientError
 from eagle3.secret_env import child_env
+from eagle3.serving import down
 from eagle3.serving.launch import (  # noqa: F401 - build_argv, free_port, MANAGED_FLAGS: this module's API too
     MANAGED_FLAGS,
     build_argv,
@@ -439,6 +440,8 @@ class _Supervisor(threading.Thread):
             server.logger.error("%s", self.error)
             return False
         self.restarts += 1
+        # Pools in this process bench it now, not at their next failed request (eagle3/serving/down.py).
+        down.mark_down(server.base_url, f"its process exited ({how}); restart {self.restarts} under way")
         event = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "exit": how, "restarted": False}
         self.events.append(event)
         server.logger.warning(
@@ -462,6 +465,7 @@ class _Supervisor(threading.Thread):
             server.logger.error("vLLM server restart %d of %d failed: %s", self.restarts, self.max_restarts, exc)
             return True  # the next poll sees the dead process and counts the next try
         event.update(restarted=True, startup_s=round(time.monotonic() - began, 1))
+        down.mark_up(server.base_url)
         return True
 
 

@@ -132,3 +132,26 @@ def test_a_route_is_the_replicas_base_url_and_path_parsed_once(base):
     assert e.url("/chat/completions") == url
     client = e.clients[0]  # the same URL the client's own base-URL merge gives
     assert client.build_request("POST", "chat/completions").url == url
+
+
+def test_a_replica_its_supervisor_saw_die_is_benched_before_any_request_goes_to_it(tmp_path):
+    import json
+
+    from eagle3.serving import down
+
+    events = tmp_path / "replica-events.jsonl"
+    pool = EndpointPool(["http://a/v1", "http://b/v1"], None, 4, 10, events=events)
+    a = pool.endpoints[0]
+    try:
+        down.mark_down("http://a/v1/", "its process exited (killed by SIGKILL); restart 1 under way")
+        leases = [pool.acquire() for _ in range(3)]
+        assert [lease.base_url for lease in leases] == ["http://b/v1"] * 3, "no request goes to the dead replica"
+        assert pool.benched["http://a/v1"] == 1, "one death, one bench"
+        (event,) = [json.loads(line) for line in events.read_text().splitlines()]
+        assert event["event"] == "benched" and event["url"] == "http://a/v1" and "SIGKILL" in event["why"]
+        down.mark_up("http://a/v1")
+        a.down_until = 0.0  # what the pool's probe does once /v1/models answers (no event loop here)
+        assert pool.acquire().base_url == "http://a/v1", "back in use once up: the least busy replica"
+        assert pool.benched["http://a/v1"] == 1, "a replica marked up is not benched again"
+    finally:
+        down.mark_up("http://a/v1")
