@@ -22,7 +22,9 @@ Design choices:
   (or drops two in a row) is *benched*: no request goes to it until a probe of its
   ``/v1/models`` (every ``PROBE_EVERY_S``, with the key) answers 200. Probing instead of
   sending real requests means a dead replica costs each prompt at most the attempt that
-  found it dead, however long it stays down.
+  found it dead, however long it stays down. A managed server whose supervisor runs in this
+  process is benched before any request finds it dead: the supervisor marks it down when its
+  process exits (eagle3/serving/down.py).
 - When every replica is benched (the one managed server is restarting; an operator is
   restarting the fleet) requests *wait* for one to come back instead of spending their
   attempts in a few seconds of backoff -- bounded by ``outage_wait_s`` per outage, after
