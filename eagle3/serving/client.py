@@ -228,6 +228,8 @@ class EndpointPool:
 
     def _bench_known_down(self) -> None:
         """Bench each replica whose supervisor in this process has seen it die (eagle3/serving/down.py)."""
+        if not down.any_down():  # the usual case: one check per request
+            return
         for e in self.endpoints:
             if (why := down.why_down(e.base_url)) is not None:
                 self._bench(e, why)

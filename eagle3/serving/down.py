@@ -35,3 +35,7 @@ def mark_up(base_url: str) -> None:
 def why_down(base_url: str) -> str | None:
     """Why the server at ``base_url`` is known to be down, or None."""
     return _down.get(_key(base_url))
+
+
+def any_down() -> bool:
+    return bool(_down)

@@ -155,6 +155,22 @@ def test_shard_tasks_no_live_node_can_run_are_cancelled_after_the_node_wait_and_
     assert ray.cancelled == []
 
 
+def two_node_run(tmp_path, node_wait_s: float):
+    """A 2-node training config and the node record of its last attempt (nodes aaaa0000ff and bbbb1111ff)."""
+    config = config_with(
+        'cluster.address="head:6379"',
+        "cluster.train_gpus_per_process=0",
+        f"cluster.node_wait_s={node_wait_s}",
+        "train.nnodes=2",
+    )
+    nodes_file = tmp_path / "cluster_nodes.json"
+    nodes_file.write_text(
+        '{"nodes": [{"node": 0, "node_id": "aaaa0000ff", "ip": "10.0.0.1"}, '
+        '{"node": 1, "node_id": "bbbb1111ff", "ip": "10.0.0.2"}]}'
+    )
+    return config, nodes_file
+
+
 def test_a_training_retry_waits_for_its_lost_node_then_names_it_and_the_ways_on(tmp_path, monkeypatch):
     import logging
 
@@ -162,14 +178,7 @@ def test_a_training_retry_waits_for_its_lost_node_then_names_it_and_the_ways_on(
     from eagle3.errors import TrainFailed, is_permanent
 
     monkeypatch.setattr(cluster_train, "NODE_POLL_S", 0.05)
-    config = config_with(
-        'cluster.address="head:6379"', "cluster.train_gpus_per_process=0", "cluster.node_wait_s=0.3", "train.nnodes=2"
-    )
-    nodes_file = tmp_path / "cluster_nodes.json"
-    nodes_file.write_text(
-        '{"nodes": [{"node": 0, "node_id": "aaaa0000ff", "ip": "10.0.0.1"}, '
-        '{"node": 1, "node_id": "bbbb1111ff", "ip": "10.0.0.2"}]}'
-    )
+    config, nodes_file = two_node_run(tmp_path, node_wait_s=0.3)
     log = logging.getLogger("test")
     ray = FakeRay([node("aaaa0000ff", CPU=1), node("bbbb1111ff", alive=False)])
     started = time.monotonic()
@@ -227,14 +236,7 @@ def test_a_training_retry_before_ray_declares_the_node_dead_looks_again_once_it_
     fake.placement_group = lambda bundles, strategy: Group()
     fake.remove_placement_group = lambda group: None
     monkeypatch.setitem(sys.modules, "ray.util.placement_group", fake)
-    config = config_with(
-        'cluster.address="head:6379"', "cluster.train_gpus_per_process=0", "cluster.node_wait_s=0.2", "train.nnodes=2"
-    )
-    nodes_file = tmp_path / "cluster_nodes.json"
-    nodes_file.write_text(
-        '{"nodes": [{"node": 0, "node_id": "aaaa0000ff", "ip": "10.0.0.1"}, '
-        '{"node": 1, "node_id": "bbbb1111ff", "ip": "10.0.0.2"}]}'
-    )
+    config, nodes_file = two_node_run(tmp_path, node_wait_s=0.2)
     log = logging.getLogger("test")
     assert isinstance(cluster_train._placement(ray, config, nodes_file, log), Group)
     assert len(asked) == 2, "placed on the spare node at the second look"
