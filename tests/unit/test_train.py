@@ -206,7 +206,10 @@ def lines(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
-def torchrun(config, names, nproc: int, env_extra=None, background=False, own_port=True):
+def torchrun(config, names, nproc: int, env_extra=None, background=False):
+    """The train stage's torchrun command on ``nproc`` processes. Its rendezvous is the product's default
+    (--standalone: a port the OS hands out), never a port the test picks: a picked one collided with
+    another xdist worker's or server's. In the background its output goes to ``output_of(proc)``."""
     from eagle3.durable import atomic_write_json
     from eagle3.models import resolve_model
     from eagle3.train.stage import torchrun_argv
@@ -223,20 +226,27 @@ def torchrun(config, names, nproc: int, env_extra=None, background=False, own_po
             "result_path": str(run / "train" / "result.json"),
         },
     )
-    update = {"nproc_per_node": nproc}
-    if own_port:
-        update["rdzv_endpoint"] = f"127.0.0.1:{29600 + os.getpid() % 300 + nproc}"
-    patched = config.model_copy(update={"train": config.train.model_copy(update=update)})
+    patched = config.model_copy(update={"train": config.train.model_copy(update={"nproc_per_node": nproc})})
     argv = torchrun_argv(patched, request)
+    assert "--standalone" in argv, argv
     argv[0] = sys.executable
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
     if background:
-        return subprocess.Popen(
-            argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-        )
+        out = run.parent / f"torchrun-{nproc}-{time.monotonic_ns()}.out"
+        with out.open("wb") as sink:
+            proc = subprocess.Popen(
+                argv, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        proc.output_path = out
+        return proc
     out = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out
+
+
+def output_of(proc, tail: int = 3000) -> str:
+    """The last ``tail`` characters a background torchrun printed (for an assertion's message)."""
+    return proc.output_path.read_text(errors="replace")[-tail:]
 
 
 def kill_torchrun(proc) -> None:
@@ -336,9 +346,9 @@ def test_two_runs_on_one_machine_train_at_once(tmp_path):
     """The default rendezvous takes a free port: a second run on the same machine (a nightly
     schedule next to a manual run) trains, where a fixed port failed it with EADDRINUSE."""
     runs = [make_train_run(tmp_path / name) for name in ("a", "b")]
-    procs = [torchrun(config, names, nproc=1, background=True, own_port=False) for config, names in runs]
+    procs = [torchrun(config, names, nproc=1, background=True) for config, names in runs]
     codes = [proc.wait(timeout=600) for proc in procs]
-    assert codes == [0, 0], codes
+    assert codes == [0, 0], [output_of(proc) for proc in procs]
     for config, _ in runs:
         run = Path(config.run_dir)
         assert (

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_train import kill_torchrun, lines, make_train_run, torchrun, weights
+from test_train import kill_torchrun, lines, make_train_run, output_of, torchrun, weights
 
 FSDP = ['train.strategy="fsdp"']
 
@@ -103,7 +103,7 @@ def kill_after_a_checkpoint(config, names, nproc: int, past: int) -> dict:
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None and checkpoint_state(run).get("step", 0) <= past:
         time.sleep(0.02)
-    assert proc.poll() is None, f"{nproc} processes: exited with {proc.returncode} before the kill"
+    assert proc.poll() is None, f"{nproc} processes: exited with {proc.returncode} before the kill:\n{output_of(proc)}"
     kill_torchrun(proc)  # every rank, mid-run, after a checkpoint
     return checkpoint_state(run)
 
