@@ -73,7 +73,17 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _add_config_args(sub.add_parser("run", help="run every stage in order, as the eagle3-pipeline flow"))
+    run = sub.add_parser("run", help="run every stage in order, as the eagle3-pipeline flow")
+    _add_config_args(run)
+    run.add_argument(
+        "--until",
+        choices=stages.names(),
+        metavar="STAGE",
+        help=(
+            "stop after STAGE (one of: " + ", ".join(stages.names()) + "), e.g. --until export to train and export "
+            "on a machine that will not serve the drafter; the same command without it resumes from there"
+        ),
+    )
     for stage in stages.STAGES:
         _add_config_args(sub.add_parser(stage.name, help=f"{stage.summary} (flow eagle3-{stage.name})"))
     status = sub.add_parser("status", help="accounting per stage, read from RUN_DIR/manifest.json")
@@ -121,16 +131,16 @@ def _load(args: argparse.Namespace):
     return load_config(args.config, args.sets)
 
 
-def _preflight(config, command: str = "run") -> None:
+def _preflight(config, command: str = "run", until: str | None = None) -> None:
     """Catch what is wrong before a Prefect server starts and a flow run is recorded."""
     from eagle3.prepare.sources import local_files
 
     local_files(config.data.source)  # raises SourceError naming a missing file or folder
     from eagle3.cluster import precheck
 
-    todo = stages.STAGES if command == "run" else (stages.get(command),)
+    todo = stages.up_to(until) if command == "run" else (stages.get(command),)
     precheck(config, [s.name for s in todo])  # a cluster address nobody answers at fails now, naming it
-    if _reads_model_files(config, command):
+    if _reads_model_files(config, todo):
         from eagle3.models import resolve_model
 
         # A hub id absent from the cache fails here in one line (or is downloaded once, online).
@@ -141,9 +151,8 @@ def _preflight(config, command: str = "run") -> None:
         check_config(config)  # generation.reasoning against the chat templates this run renders
 
 
-def _reads_model_files(config, command: str) -> bool:
-    """Whether a run of ``command`` (a stage, or "run": every stage) needs the target's files on disk."""
-    todo = stages.STAGES if command == "run" else (stages.get(command),)
+def _reads_model_files(config, todo) -> bool:
+    """Whether a run of the stages ``todo`` needs the target's files on disk."""
     managed = config.server.mode == "managed"
     return any(s.reads_model == "always" or (s.reads_model == "managed" and managed) for s in todo)
 
@@ -201,7 +210,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     prefect_auth.load_auth_file()
     _prefect_defaults()
     config = _load(args)
-    _preflight(config)
+    _preflight(config, until=args.until)
     prefect_auth.check_api()
     from eagle3.run_facts import RunFacts
     from flows.pipeline import pipeline_flow
@@ -212,7 +221,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         facts = RunFacts.resolve(config)  # once, after the preflight fetched what the run reads
         _ready(server)
         with _progress(args):
-            results = stopping.run_async(pipeline_flow(config, facts))
+            results = stopping.run_async(pipeline_flow(config, facts, until=args.until))
     print(_summary(config, results))
     return 0
 

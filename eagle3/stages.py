@@ -169,6 +169,14 @@ def get(name: str) -> Stage:
     raise UnknownStage(f"no stage named {name!r}; the stages are {', '.join(names())}")
 
 
+def up_to(last: str | None) -> tuple[Stage, ...]:
+    """The stages in order, through ``last`` (every stage when None); an unknown name raises UnknownStage."""
+    if last is None:
+        return STAGES
+    end = STAGES.index(get(last))
+    return STAGES[: end + 1]
+
+
 def nightly() -> tuple[Stage, ...]:
     """The stages the nightly regeneration runs, in order."""
     return tuple(s for s in STAGES if s.nightly)

@@ -1,4 +1,5 @@
-"""Flow ``eagle3-pipeline``: every stage of ``eagle3.stages``, in order, as subflows, then the run report.
+"""Flow ``eagle3-pipeline``: every stage of ``eagle3.stages`` (or those through ``until``), in order, as
+subflows, then the run report.
 
 The run's facts (eagle3/run_facts.py) are resolved once here, unless the caller (the CLI) resolved
 them, and each stage's flow gets them as its ``facts`` parameter. Each stage also runs alone through
@@ -48,13 +49,18 @@ def run_name() -> str:
     flow_run_name=run_name,
     description="Prompts to a trained, exported and live-evaluated EAGLE-3 drafter.",
 )
-async def pipeline_flow(config: PipelineConfig = PipelineConfig(), facts: RunFacts | None = None) -> dict:
+async def pipeline_flow(
+    config: PipelineConfig = PipelineConfig(), facts: RunFacts | None = None, until: str | None = None
+) -> dict:
+    """Every stage in order, or through the stage ``until`` names (a later run without it resumes there:
+    the finished stages find their work on disk), then the run report."""
     from eagle3.cluster import precheck
     from eagle3.reasoning import check_config
 
+    todo = stages.up_to(until)  # an unknown name fails here, listing the stages
     check_config(config)  # a reasoning mode the chat template cannot express fails before any stage runs
-    precheck(config, [s.name for s in stages.STAGES])  # so does a cluster address nobody answers at
-    results = await run_stages(config, stages.STAGES, RunFacts.of(config, facts))
+    precheck(config, [s.name for s in todo])  # so does a cluster address nobody answers at
+    results = await run_stages(config, todo, RunFacts.of(config, facts))
     await api_answers()  # a sync task: fresh Prefect clients
     results["report"] = report_task(config)
     return results

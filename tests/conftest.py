@@ -16,18 +16,6 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 DEMO_RECIPE = ROOT / "recipes" / "tiny-demo.toml"  # the demo recipe: tests start from the demo's values
-# The smallest evaluate a whole-run test can ask for: the trained drafter alone, two held-out prompts of 16
-# tokens, once (the kill matrix runs `eagle3 run` to its end and needs evaluate to run).
-SMALL_EVALUATE = [
-    "evaluate.compare_untrained=false",
-    "evaluate.num_prompts=2",
-    "evaluate.max_tokens=16",
-    "evaluate.temperatures=[0.0]",
-    'evaluate.methods=["trained"]',
-    'evaluate.prompt_sets=["heldout"]',
-    "evaluate.concurrencies=[1]",
-    "evaluate.rounds=1",
-]
 
 # Under pytest-xdist (`make test` runs two workers, docs/testing.md) each worker is a process of its own,
 # named gw0, gw1, ... in PYTEST_XDIST_WORKER, which every process a test starts inherits (vLLM servers,

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DEMO_RECIPE, PYTHON, ROOT, SMALL_EVALUATE
+from conftest import DEMO_RECIPE, PYTHON, ROOT
 from eagle3 import stages
 
 pytestmark = pytest.mark.integration
@@ -53,7 +53,6 @@ SMALL = [
     "train.epochs=2",
     "train.batch_tokens=512",
     "train.save_every_steps=2",
-    *SMALL_EVALUATE,
     f'server.python="{VLLM_PYTHON}"',
 ]
 # Two training processes on the same inputs usually agree bit for bit, but not always: once in CI
@@ -359,8 +358,12 @@ def test_sigkill_inside_each_stage_then_rerun_matches_uninterrupted(tmp_path, pr
         gone_s = wait_no_survivors(cli.sessions)
         sessions |= cli.sessions
         report.append(f"killed in {stage:8s} ({state}); its processes gone {gone_s:.1f} s after the kill")
-    final = Cli(["run", *in_run(run)], shared, tmp_path / "run-final.log")
+    # The last rerun through export: evaluate, which keeps nothing partial to resume (NOT_KILLED), would
+    # only start one more vLLM here; the whole demo's evaluate, stopped and resumed, is test_clean_stop.py's.
+    final = Cli(["run", *in_run(run), "--until", "export"], shared, tmp_path / "run-final.log")
     assert final.wait(600) == 0, final.tail()
+    assert list(final.begun)[-1] == "export" and not (run / "evaluate").exists(), "--until export ran past export"
+    assert "vllm.entrypoints" not in "\n".join(final.seen.values()), "the resumed run needed no server"
     sessions |= final.sessions
     wait_no_survivors(sessions, timeout_s=30)
     kill_matrix_s = time.monotonic() - began
@@ -371,11 +374,12 @@ def test_sigkill_inside_each_stage_then_rerun_matches_uninterrupted(tmp_path, pr
     sessions |= prep.sessions
     shutil.copytree(run / "prompts", ref / "prompts")
     shutil.copytree(run / "generations", ref / "generations", ignore=shutil.ignore_patterns("*.lock", "*.pid", "*.log"))
-    for stage in ("tokenize", "vocab", "extract", "train"):
-        cli = Cli([stage, *in_run(ref)], shared, tmp_path / f"ref-{stage}.log")
-        assert cli.wait(300) == 0, cli.tail()
-        assert "vllm.entrypoints" not in "\n".join(cli.seen.values()), "a complete generation dir needs no server"
-        sessions |= cli.sessions
+    # One command runs them in order: prepare and generate find their work copied in (no server), the rest run.
+    cli = Cli(["run", *in_run(ref), "--until", "train"], shared, tmp_path / "ref-stages.log")
+    assert cli.wait(300) == 0, cli.tail()
+    assert "vllm.entrypoints" not in "\n".join(cli.seen.values()), "a complete generation dir needs no server"
+    assert [s for s in cli.begun if s in ("export", "evaluate")] == [], "--until train ran past train"
+    sessions |= cli.sessions
     wait_no_survivors(sessions, timeout_s=30)  # nothing any of these runs started is left
 
     # 3. No temporary of a write the kills cut short is left anywhere in the run dir.

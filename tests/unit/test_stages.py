@@ -119,6 +119,30 @@ def test_the_parent_flow_runs_every_registered_stage_in_order(monkeypatch, tmp_p
     assert results["dummy"]["answer"] == 42
 
 
+def test_the_parent_flow_stops_after_the_stage_until_names_and_a_misspelt_one_lists_the_stages(monkeypatch, tmp_path):
+    """`eagle3 run --until STAGE`: the stages through STAGE, then the report; the command line refuses an
+    unknown name before anything runs (the kill matrix runs --until export and --until train for real)."""
+    import flows.pipeline as pipeline
+    from cli.main import build_parser
+
+    CALLS.clear()
+    quick = replace(DUMMY, name="quick", flow=f"{__name__}:quick_flow", reads=(), nightly=False)
+    monkeypatch.setattr(stages, "STAGES", (quick, replace(DUMMY, reads=("quick",))))
+    monkeypatch.setattr(pipeline, "report_task", lambda config: "report.md")
+    config = load_config(DEMO_RECIPE, [f'run_dir="{tmp_path / "run"}"'])
+    results = asyncio.run(pipeline.pipeline_flow.fn(config, until="quick"))
+    assert CALLS == ["quick"] and list(results) == ["quick", "report"]
+    with pytest.raises(stages.UnknownStage, match="no stage named 'dumy'; the stages are quick, dummy"):
+        asyncio.run(pipeline.pipeline_flow.fn(config, until="dumy"))
+    assert CALLS == ["quick"], "nothing ran"
+    monkeypatch.undo()
+    assert build_parser().parse_args(["run", "--until", "export"]).until == "export"
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["run", "--until", "exprot"])
+    assert exit_.value.code == 2 and "argument --until: invalid choice: 'exprot'" in err.getvalue()
+
+
 def test_the_nightly_flow_runs_the_nightly_stages_only(monkeypatch, tmp_path):
     import flows.regenerate as regenerate
 
