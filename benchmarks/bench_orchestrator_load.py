@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -109,7 +110,7 @@ def one_run(name: str, n: int, work: Path, server: Server, restart: bool) -> dic
         "faults_injected": sum(served["faults"].values()),
         "manifest": {k: manifest[k] for k in ("in", "ok", "failed", "filtered")},
         **{k: disk[k] for k in ("total", "lost", "duplicated", "mismatched", "checked_against_server")},
-        "log_tail": log.read_text(errors="replace").splitlines()[-5:],
+        "log_tail": log.read_text(errors="replace").splitlines()[-3:],
     }
 
 
@@ -117,6 +118,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--n", type=int, default=bench_load.N)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--keep", action="store_true", help="keep the run folders, logs and the server's home")
     args = parser.parse_args()
     n = args.n
     suffix = "" if n == bench_load.N else f"-{n}"
@@ -131,6 +133,8 @@ def main() -> None:
         states = flow_runs(server)
     finally:
         server.stop()
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
     for run, state in zip(runs.values(), states):
         run["flow_run_state"] = state["state_type"]
         run["shard_task_runs"] = sorted(t["run_count"] for t in state["shards"])
