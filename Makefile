@@ -32,7 +32,7 @@ demo: venv venv-vllm
 	@$(VENV)/bin/eagle3 run --config recipes/tiny-demo.toml $(ARGS)
 
 ## make demo-real: the same pipeline on a real target, SmolLM2-135M-Instruct, imported from its
-## PyPI wheel (recipes/smollm2-135m-cpu.toml). About an hour on a 2-core machine.
+## PyPI wheel (recipes/smollm2-135m-cpu.toml). About 70 minutes on a 2-core machine (71 min measured 2026-12-07).
 demo-real: venv venv-vllm real-target
 	@$(VENV)/bin/eagle3 run --config recipes/smollm2-135m-cpu.toml $(ARGS)
 
