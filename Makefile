@@ -70,12 +70,12 @@ lint: venv
 
 ## make bench: the short benchmarks one after another (a few minutes each, nothing else should run on the
 ## machine meanwhile), then benchmarks/README.md's tables regenerated from benchmarks/results/*.json.
-## `make bench LONG=1` adds the long ones after them: load (~11 min), real_target (~1 h), training_data
+## `make bench LONG=1` adds the long ones after them: load (~11 min), orchestrator_load (~22 min), real_target (~70 min), training_data
 ## (~45 min; it leaves the run fp8 starts from) and fp8 (~20 min). Each prints its wall time. real_target
 ## and training_data resume a finished run (runs/smollm2-135m, runs/bench-data-*) in seconds: move those
 ## away first for fresh stage times.
 BENCH_SHORT := tokenize train generation extract cluster cluster_train
-BENCH_LONG := load real_target training_data fp8 train_compile
+BENCH_LONG := load orchestrator_load real_target training_data fp8 train_compile
 bench: venv $(if $(LONG),venv-vllm real-target)
 	@set -e; for b in $(BENCH_SHORT) $(if $(LONG),$(BENCH_LONG)); do \
 		echo "== benchmarks/bench_$$b.py"; \
