@@ -3,7 +3,8 @@
 #
 # For NAME in PREFECT_SERVER_API_AUTH_STRING (the Prefect server's basic-auth "user:password"),
 # PREFECT_API_AUTH_STRING (what a Prefect client presents), VLLM_API_KEY (the key a vLLM server
-# requires) and EAGLE3_API_KEY (the key the pipeline presents to it, server.api_key_env's default):
+# requires), EAGLE3_API_KEY (the key the pipeline presents to it, server.api_key_env's default) and
+# PREFECT_SERVER_DATABASE_PASSWORD (the Prefect server's database password):
 # when NAME_FILE names a file, NAME is set to its contents (trailing newlines dropped) and NAME_FILE
 # is unset, then COMMAND replaces this shell. A compose secret is such a file (/run/secrets/NAME), so
 # the credential is never written in docker/compose.yaml, nor shown by `docker inspect` or
@@ -29,4 +30,5 @@ load PREFECT_SERVER_API_AUTH_STRING
 load PREFECT_API_AUTH_STRING
 load VLLM_API_KEY
 load EAGLE3_API_KEY
+load PREFECT_SERVER_DATABASE_PASSWORD
 exec "$@"

@@ -6,6 +6,8 @@ import json
 import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import yaml
@@ -227,14 +229,14 @@ def test_secret_env_loads_a_file_and_refuses_a_missing_one(tmp_path):
     assert out.returncode == 1 and f"PREFECT_SERVER_API_AUTH_STRING_FILE={tmp_path / 'missing'}" in out.stderr, out
 
 
-# What scripts/secret-env.sh turns from NAME_FILE into NAME: Prefect's two settings and vLLM's key on both sides.
-LOADED = (*AUTH_SETTINGS, "VLLM_API_KEY", "EAGLE3_API_KEY")
+# What scripts/secret-env.sh turns from NAME_FILE into NAME: Prefect's two settings, vLLM's key on both sides and
+# the Prefect server's database password.
+LOADED = (*AUTH_SETTINGS, "VLLM_API_KEY", "EAGLE3_API_KEY", "PREFECT_SERVER_DATABASE_PASSWORD")
 # A variable whose name says it holds a credential.
 CREDENTIAL_NAME = re.compile(r"(KEY|TOKEN|SECRET|PASSWORD|AUTH_STRING|CONNECTION_URL)$")
-# Written in the compose file still: the database's password (a default, or the host's POSTGRES_PASSWORD) in the
-# database's environment and in the Prefect server's connection URL. The database is reachable on the compose
-# network only (no published port); reading it from a secret as well is noted in docs/prefect.md#credentials.
-DATABASE_PASSWORD = {("postgres", "POSTGRES_PASSWORD"), ("prefect-server", "PREFECT_API_DATABASE_CONNECTION_URL")}
+# A connection URL may name its password only by Prefect's placeholder, escaped for compose ($$: left to Prefect,
+# which puts PREFECT_SERVER_DATABASE_PASSWORD there).
+PLACEHOLDER_URL = re.compile(r"^[a-z+]+://[^:/@]+:\$\$\{PREFECT_SERVER_DATABASE_PASSWORD\}@[^@]+$")
 
 
 def compose_credential_problems(doc: dict) -> list[str]:
@@ -245,14 +247,14 @@ def compose_credential_problems(doc: dict) -> list[str]:
     for name, service in doc["services"].items():
         env = service.get("environment") or {}
         for var, value in env.items():
-            if (name, var) in DATABASE_PASSWORD:
+            if var.endswith("CONNECTION_URL") and PLACEHOLDER_URL.match(str(value)):
                 continue
             if CREDENTIAL_NAME.search(var):
                 problems.append(f"{name}: {var} is set in the file; set {var}_FILE to its secret's path instead")
             elif var.endswith("_FILE") and not str(value).startswith("/run/secrets/"):
                 problems.append(f"{name}: {var} is not a secret's path: {value}")
-            for ref in re.findall(r"\$\{([A-Za-z0-9_]+)", str(value)):
-                if CREDENTIAL_NAME.search(ref) and (name, var) not in DATABASE_PASSWORD:
+            for ref in re.findall(r"(?<!\$)\$\{([A-Za-z0-9_]+)", str(value)):
+                if CREDENTIAL_NAME.search(ref):
                     problems.append(f"{name}: {var} takes the host's {ref}")
         words = []
         for arg in map(str, service.get("command") or []):  # a `bash -c` script's words too
@@ -299,4 +301,53 @@ def test_compose_writes_no_credential_and_vllms_key_comes_from_a_secret():
         "worker: EAGLE3_API_KEY takes the host's VLLM_API_KEY",
         "worker: HF_TOKEN_FILE is not a secret's path: /opt/eagle3/hf-token",
         "vllm: --api-key on the command line (`ps` shows it to every user)",
+    ]
+
+
+def test_the_database_password_is_a_secret_prefect_puts_into_its_connection_url(tmp_path):
+    """postgres reads its password from the compose secret's file; the Prefect server's connection URL holds
+    Prefect's placeholder, and scripts/secret-env.sh sets the password it stands for from the same file. Run
+    here as the server's container runs it: the URL Prefect resolves carries the file's password."""
+    doc = compose()
+    postgres, server = doc["services"]["postgres"], doc["services"]["prefect-server"]
+    assert doc["secrets"]["postgres-password"] == {"file": "${POSTGRES_PASSWORD_FILE:-./secrets/postgres-password}"}
+    assert postgres["secrets"] == ["postgres-password"] and "POSTGRES_PASSWORD" not in postgres["environment"]
+    assert postgres["environment"]["POSTGRES_PASSWORD_FILE"] == "/run/secrets/postgres-password"
+    assert "postgres-password" in server["secrets"]
+    assert server["environment"]["PREFECT_SERVER_DATABASE_PASSWORD_FILE"] == "/run/secrets/postgres-password"
+    url = server["environment"]["PREFECT_API_DATABASE_CONNECTION_URL"]
+
+    secret = tmp_path / "postgres-password"
+    secret.write_text("s3cr3t-Pw\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env |= {
+        "PREFECT_HOME": str(tmp_path / "home"),
+        "PREFECT_SERVER_DATABASE_PASSWORD_FILE": str(secret),
+        "PREFECT_API_DATABASE_CONNECTION_URL": url.replace("$$", "$"),  # as compose hands it over
+    }
+    probe = (
+        "from prefect.settings import get_current_settings as s; "
+        "print(s().server.database.connection_url.get_secret_value())"
+    )
+    out = subprocess.run(
+        [str(ROOT / "scripts" / "secret-env.sh"), sys.executable, "-c", probe],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "postgresql+asyncpg://prefect:s3cr3t-Pw@postgres:5432/prefect", out.stdout
+
+    before = copy.deepcopy(doc)  # the ways the file used to write it
+    before["services"]["postgres"]["environment"]["POSTGRES_PASSWORD"] = "${POSTGRES_PASSWORD:-prefect}"
+    before["services"]["prefect-server"]["environment"]["PREFECT_API_DATABASE_CONNECTION_URL"] = (
+        "postgresql+asyncpg://prefect:${POSTGRES_PASSWORD:-prefect}@postgres:5432/prefect"
+    )
+    assert compose_credential_problems(before) == [
+        "postgres: POSTGRES_PASSWORD is set in the file; set POSTGRES_PASSWORD_FILE to its secret's path instead",
+        "postgres: POSTGRES_PASSWORD takes the host's POSTGRES_PASSWORD",
+        "prefect-server: PREFECT_API_DATABASE_CONNECTION_URL is set in the file; set "
+        "PREFECT_API_DATABASE_CONNECTION_URL_FILE to its secret's path instead",
+        "prefect-server: PREFECT_API_DATABASE_CONNECTION_URL takes the host's POSTGRES_PASSWORD",
     ]
