@@ -31,13 +31,15 @@ def basic(credential: str) -> dict:
 
 def compose_server(tmp_path, credential: str) -> Server:
     service = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())["services"]["prefect-server"]
-    (secret,) = service["secrets"]
+    secret = "prefect-auth-string"
+    assert secret in service["secrets"], service["secrets"]
     env = {k: str(v) for k, v in service["environment"].items()}
     assert env["PREFECT_SERVER_API_AUTH_STRING_FILE"] == f"/run/secrets/{secret}"
     secret_file = tmp_path / secret
     secret_file.write_text(credential + "\n")  # as `echo` or an editor leaves it
     env["PREFECT_SERVER_API_AUTH_STRING_FILE"] = str(secret_file)
-    env.pop("PREFECT_API_DATABASE_CONNECTION_URL")  # SQLite under the server's PREFECT_HOME
+    env.pop("PREFECT_API_DATABASE_CONNECTION_URL")  # SQLite under the server's PREFECT_HOME ...
+    env.pop("PREFECT_SERVER_DATABASE_PASSWORD_FILE")  # ... which has no password (test_docker.py resolves that one)
     env["PATH"] = f"{VENV}{os.pathsep}{os.environ['PATH']}"
 
     def command(port: int) -> list[str]:
