@@ -51,21 +51,6 @@ DOWN_S = 10.0  # how long it stays down before it is started again (then its own
 TIMEOUT_S = 3600  # one run's bound: ~10 min expected at 50k
 
 
-def flow_runs(server: Server) -> list[dict]:
-    """The eagle3-generate flow runs the server knows, oldest first, with their shard task runs."""
-    import httpx
-
-    flows = httpx.post(
-        f"{server.api}/flows/filter", json={"flows": {"name": {"any_": ["eagle3-generate"]}}}, timeout=30
-    )
-    body = {"flows": {"id": {"any_": [f["id"] for f in flows.json()]}}, "sort": "EXPECTED_START_TIME_ASC"}
-    runs = httpx.post(f"{server.api}/flow_runs/filter", json=body, timeout=30).json()
-    for run in runs:
-        tasks = {"flow_runs": {"id": {"any_": [run["id"]]}}, "task_runs": {"name": {"like_": "generate-shard"}}}
-        run["shards"] = httpx.post(f"{server.api}/task_runs/filter", json=tasks, timeout=30).json()
-    return runs
-
-
 def one_run(name: str, n: int, work: Path, server: Server, restart: bool) -> dict:
     """Prepare n prompts, then `eagle3 generate` on them through ``server``; with ``restart``, the server is
     killed at KILL_AT of the answers and started again DOWN_S later."""
@@ -85,7 +70,8 @@ def one_run(name: str, n: int, work: Path, server: Server, restart: bool) -> dic
             argv += ["--set", s]
         log = work / f"{name}.log"
         began = time.monotonic()
-        proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+        with open(log, "w") as sink:
+            proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT)
         while proc.poll() is None and time.monotonic() - began < TIMEOUT_S:
             if restart and not outage and target.stats(attempts=False)["completed"] >= KILL_AT * n:
                 outage["killed_at_s"] = round(time.monotonic() - began, 1)
@@ -130,7 +116,9 @@ def main() -> None:
         for name, restart in (("steady", False), ("restart", True)):
             runs[name] = one_run(name, n, work, server, restart)
             print(name, json.dumps({k: v for k, v in runs[name].items() if k != "log_tail"}), flush=True)
-        states = flow_runs(server)
+        states = server.flow_runs("eagle3-generate")
+        for state in states:
+            state["shards"] = server.task_runs(state["id"], "generate-shard")
     finally:
         server.stop()
         if not args.keep:

@@ -80,6 +80,17 @@ class Server:
         stop_group(self.proc)
         self.log.close()
 
+    def flow_runs(self, flow: str) -> list[dict]:
+        """The runs of the flow named ``flow`` this server knows, oldest first."""
+        flows = httpx.post(f"{self.api}/flows/filter", json={"flows": {"name": {"any_": [flow]}}}, timeout=30)
+        body = {"flows": {"id": {"any_": [f["id"] for f in flows.json()]}}, "sort": "EXPECTED_START_TIME_ASC"}
+        return httpx.post(f"{self.api}/flow_runs/filter", json=body, timeout=30).json()
+
+    def task_runs(self, flow_run_id: str, name_like: str) -> list[dict]:
+        """The task runs of one flow run whose names contain ``name_like``."""
+        body = {"flow_runs": {"id": {"any_": [flow_run_id]}}, "task_runs": {"name": {"like_": name_like}}}
+        return httpx.post(f"{self.api}/task_runs/filter", json=body, timeout=30).json()
+
 
 def stop_group(proc: subprocess.Popen) -> None:
     """Stop a process group started with start_new_session: SIGTERM twice (a Prefect worker ignores

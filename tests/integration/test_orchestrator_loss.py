@@ -17,7 +17,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from conftest import DEMO_RECIPE, PYTHON, ROOT
@@ -108,20 +107,6 @@ def _exactly_once(run: Path) -> dict:
     return entry
 
 
-def _generate_runs(server: Server) -> list[dict]:
-    """The eagle3-generate flow runs the server knows, oldest first."""
-    flows = httpx.post(
-        f"{server.api}/flows/filter", json={"flows": {"name": {"any_": ["eagle3-generate"]}}}, timeout=30
-    )
-    body = {"flows": {"id": {"any_": [f["id"] for f in flows.json()]}}, "sort": "EXPECTED_START_TIME_ASC"}
-    return httpx.post(f"{server.api}/flow_runs/filter", json=body, timeout=30).json()
-
-
-def _shard_task_runs(server: Server, flow_run_id: str) -> list[dict]:
-    body = {"flow_runs": {"id": {"any_": [flow_run_id]}}, "task_runs": {"name": {"like_": "generate-shard"}}}
-    return httpx.post(f"{server.api}/task_runs/filter", json=body, timeout=30).json()
-
-
 def _files(run: Path) -> dict[str, bytes]:
     return {f.name: f.read_bytes() for f in sorted((run / "generations").glob("shard-*.jsonl"))}
 
@@ -151,9 +136,9 @@ def test_a_prefect_server_killed_mid_shard_and_restarted_is_ridden_out_and_a_lon
             entry = _exactly_once(run)
             attempts = fake.stats()["attempts"]
             assert len(attempts) == PROMPTS and set(attempts.values()) == {1}, "a prompt was sent twice"
-            (first,) = _generate_runs(server)
+            (first,) = server.flow_runs("eagle3-generate")
             assert first["state_type"] == "COMPLETED", first["state"]
-            (shard,) = _shard_task_runs(server, first["id"])
+            (shard,) = server.task_runs(first["id"], "generate-shard")
             assert shard["run_count"] == 1, "the shard task was not retried: nothing was redone"
             assert shard["state_type"] == "COMPLETED", "its end, sent while the server was down, reached it later"
             records = _files(run)
@@ -164,7 +149,7 @@ def test_a_prefect_server_killed_mid_shard_and_restarted_is_ridden_out_and_a_lon
             assert _files(run) == records and fake.stats()["attempts"] == attempts
             counts = ("in", "ok", "failed", "filtered")
             assert [_exactly_once(run)[k] for k in counts] == [entry[k] for k in counts]
-            assert [r["state_type"] for r in _generate_runs(server)] == ["COMPLETED", "COMPLETED"]
+            assert [r["state_type"] for r in server.flow_runs("eagle3-generate")] == ["COMPLETED", "COMPLETED"]
 
             # Past the window (none here): the run stops with one line naming the server; the rerun resumes.
             run, argv = _prepare(tmp_path, "stopped", fake.base_url)
@@ -189,7 +174,7 @@ def test_a_prefect_server_killed_mid_shard_and_restarted_is_ridden_out_and_a_lon
             sent = {p: n for p, n in fake.stats()["attempts"].items() if p.startswith("stopped")}
             assert len(sent) == PROMPTS and set(sent.values()) == {1}, "the rerun sent only what was not on disk"
             # The stopped run could not record its end: it stays Running in the server's records (docs/faults.md).
-            assert [r["state_type"] for r in _generate_runs(server)][2:] == ["RUNNING", "COMPLETED"]
+            assert [r["state_type"] for r in server.flow_runs("eagle3-generate")][2:] == ["RUNNING", "COMPLETED"]
     finally:
         server.stop()
     print(f"server down {down_s:.1f} s with {on_disk} of {PROMPTS} records on disk")
