@@ -1,5 +1,6 @@
 """`eagle3 run` on the whole demo, as `make demo` runs it, stopped by SIGTERM during generation, rerun and
-stopped by SIGTERM during evaluate, rerun to the end. Two tests read the one sequence of runs:
+stopped by SIGTERM during training (torchrun and its worker running, a checkpoint on disk), rerun and stopped
+by SIGTERM during evaluate, rerun to the end. Two tests read the one sequence of runs:
 - the stops: each leaves no process the run started, says so in one line and exits 143, and the reruns
   resume (docs/faults.md, "Stopping a run");
 - the end: the last run's table, vocabulary, exported drafter, live acceptance and report, as a user's
@@ -63,6 +64,7 @@ DEMO = [
 ]
 BEGIN = re.compile(r"Beginning subflow run '[^']+' for flow 'eagle3-(\w+)'")
 VLLM = "vllm.entrypoints.openai.api_server"
+TORCHRUN, TRAIN_WORKER = "torch.distributed.run", "eagle3.train.worker"
 PREFECT_SERVER = "prefect.server.api.server:create_app"
 GUARD = "eagle3/guard.py"
 # From the signal to the command's exit: at most cli/stopping.py's GRACE_S + KILL_WAIT_S, and slack for a
@@ -258,15 +260,17 @@ def stop_and_look(cli: Run, argv: list[str], run: Path) -> dict:
 
 @dataclass
 class Runs:
-    """The three runs on one run folder, and what was seen of them when it could only be seen then."""
+    """The four runs on one run folder, and what was seen of them when it could only be seen then."""
 
     run: Path
-    first: Run
-    second: Run
-    third: Run
+    first: Run  # stopped in generate
+    second: Run  # stopped in train
+    third: Run  # stopped in evaluate
+    fourth: Run  # to the end
     stops: list[dict]
-    ids: list[str]  # the prompts generated when the second run stopped
-    done: dict  # fingerprint() when the second run stopped
+    checkpoint_step: int  # the step of the last checkpoint when the second run stopped
+    ids: list[str]  # the prompts generated when the third run stopped
+    done: dict  # fingerprint() when the third run stopped
     left_at_end: list[str]
 
 
@@ -292,25 +296,38 @@ def runs(tmp_path_factory) -> Runs:
         assert reached, f"generate never started its server (exit {first.proc.poll()}):\n{first.tail()}"
         stops = [stop_and_look(first, argv, run)]
 
-        # 2. The rerun generates, trains and exports; SIGTERM once evaluate's vLLM server (a drafter's) runs.
+        # 2. The rerun generates and extracts; SIGTERM while it trains: torchrun and its worker running, and
+        # the first checkpoint written (the rerun must resume from it, not start over).
+        latest = run / "checkpoints" / "latest.json"
         second = Run(argv, env, mark, tmp / "run-2.log")
         started.append(second)
         reached = second.run_until(
+            lambda cli, now: "train" in cli.begun and any(TRAIN_WORKER in c for c in now.values()) and latest.exists(),
+            timeout_s=900,
+        )
+        assert reached, f"training never wrote a checkpoint (exit {second.proc.poll()}):\n{second.tail()}"
+        stops.append(stop_and_look(second, argv, run))
+        checkpoint_step = json.loads(latest.read_text())["step"]
+
+        # 3. The rerun resumes training and exports; SIGTERM once evaluate's vLLM server (a drafter's) runs.
+        third = Run(argv, env, mark, tmp / "run-3.log")
+        started.append(third)
+        reached = third.run_until(
             lambda cli, now: (
                 "evaluate" in cli.begun and any(VLLM in c and "speculative-config" in c for c in now.values())
             ),
             timeout_s=900,
         )
-        assert reached, f"evaluate never started its server (exit {second.proc.poll()}):\n{second.tail()}"
-        stops.append(stop_and_look(second, argv, run))
+        assert reached, f"evaluate never started its server (exit {third.proc.poll()}):\n{third.tail()}"
+        stops.append(stop_and_look(third, argv, run))
         ids, done = generation_ids(run), fingerprint(run)
 
-        # 3. The last rerun, to the end.
-        third = Run(argv, env, mark, tmp / "run-3.log")
-        started.append(third)
-        third.run_until(lambda cli, now: False, timeout_s=900)  # what it starts is seen while it runs
-        third.wait(30)
-        yield Runs(run, first, second, third, stops, ids, done, third.survivors())
+        # 4. The last rerun, to the end.
+        fourth = Run(argv, env, mark, tmp / "run-4.log")
+        started.append(fourth)
+        fourth.run_until(lambda cli, now: False, timeout_s=900)  # what it starts is seen while it runs
+        fourth.wait(30)
+        yield Runs(run, first, second, third, fourth, stops, checkpoint_step, ids, done, fourth.survivors())
     finally:
         for cli in started:
             cli.kill()
@@ -318,28 +335,38 @@ def runs(tmp_path_factory) -> Runs:
 
 @needs_vllm
 @pytest.mark.timeout(1800)
-def test_sigterm_during_generate_and_evaluate_leaves_nothing_and_reruns_resume(runs):
-    first, second, third = runs.first, runs.second, runs.third
+def test_sigterm_during_generate_train_and_evaluate_leaves_nothing_and_reruns_resume(runs):
+    first, second, third, fourth = runs.first, runs.second, runs.third, runs.fourth
     assert_stopped_cleanly(first, runs.stops[0])
     assert first.begun[-1] == "generate" and first.saw(VLLM), first.tail()
     assert runs.stops[0]["shards_done"] == 0, "the signal landed after generation"
 
+    # Stopped in train: torchrun and its worker (in a session of its own) were seen and none is left.
     assert_stopped_cleanly(second, runs.stops[1])
-    assert second.saw("torch.distributed.run"), "the rerun trained with torchrun"
-    assert runs.ids and len(runs.ids) == len(set(runs.ids)), "a prompt was generated twice"
+    assert second.begun[-1] == "train" and second.saw(TORCHRUN) and second.saw(TRAIN_WORKER), second.tail()
     assert runs.stops[1]["shards_done"] == SHARDS, "the rerun after the first stop finished generation"
+    resumed = [m for line in third.lines if (m := re.search(r"resumed from .* \(step (\d+) of (\d+)\)", line))]
+    assert resumed, f"the rerun after the stop in train did not resume from a checkpoint:\n{third.tail()}"
+    step, total = int(resumed[0].group(1)), int(resumed[0].group(2))
+    assert step == runs.checkpoint_step and 0 < step < total, (step, total, runs.checkpoint_step)
 
-    assert third.proc.returncode == 0, third.tail()
+    assert_stopped_cleanly(third, runs.stops[2])
+    assert third.begun[-1] == "evaluate", third.tail()
+    assert runs.ids and len(runs.ids) == len(set(runs.ids)), "a prompt was generated twice"
+
+    assert fourth.proc.returncode == 0, fourth.tail()
     assert fingerprint(runs.run) == runs.done, "the last rerun rewrote work the stopped runs had finished"
     assert generation_ids(runs.run) == runs.ids
     skipped = f"generate: all {SHARDS} shards complete"
-    assert any(skipped in line and "no server started" in line for line in third.lines), third.tail()
-    resumed = [m for line in third.lines if (m := re.search(r"resumed from .* \(step (\d+) of (\d+)\)", line))]
+    assert any(skipped in line and "no server started" in line for line in fourth.lines), fourth.tail()
+    resumed = [m for line in fourth.lines if (m := re.search(r"resumed from .* \(step (\d+) of (\d+)\)", line))]
     assert resumed and resumed[0].group(1) == resumed[0].group(2), "training resumed at its last step"
     assert not runs.left_at_end, "the finished run left processes behind:\n" + "\n".join(runs.left_at_end)
     print(
-        f"\nstopped in generate: exit {runs.stops[0]['took']:.1f} s after SIGTERM{graceless(first)}"
-        f"\nstopped in evaluate: exit {runs.stops[1]['took']:.1f} s after SIGTERM{graceless(second)}"
+        "".join(
+            f"\nstopped in {where}: exit {stop['took']:.1f} s after SIGTERM{graceless(cli)}"
+            for where, stop, cli in zip(("generate", "train", "evaluate"), runs.stops, (first, second, third))
+        )
     )
 
 
@@ -362,13 +389,13 @@ def check_reduced_vocabulary(run: Path) -> None:
 @needs_vllm
 @pytest.mark.timeout(1800)
 def test_eagle3_run_end_to_end_from_the_cli(runs):
-    run, third = runs.run, runs.third
-    assert third.proc.returncode == 0, third.tail()
-    assert third.saw(PREFECT_SERVER), "the run started its own temporary Prefect server, as `make demo` does"
-    stdout = "\n".join(third.lines)
+    run, last = runs.run, runs.fourth
+    assert last.proc.returncode == 0, last.tail()
+    assert last.saw(PREFECT_SERVER), "the run started its own temporary Prefect server, as `make demo` does"
+    stdout = "\n".join(last.lines)
     table = {
         line.split()[0]: line.split()[1:6]
-        for line in third.lines
+        for line in last.lines
         if line.startswith(
             ("prepare ", "generate ", "tokenize ", "vocab ", "extract ", "train ", "export ", "evaluate ")
         )

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 from ray_cluster import LocalCluster
 
+from cli.stopping import GRACE_S, KILL_WAIT_S
 from procs import ours
 from test_server_faults import (
     VLLM_MODULE,
@@ -228,11 +229,39 @@ asyncio.run(main())
 GRANDCHILD = "cluster-serve-grandchild"
 
 
-def test_a_sigkilled_flow_process_leaves_no_replica_running(tmp_path):
+def gone_after(proc, markers, before: set[int], what: str, timeout_s: float = 30.0) -> float:
+    """Seconds from ``proc``'s exit until no new process holding one of ``markers`` runs; fails past ``timeout_s``."""
+    ended = time.monotonic()
+    while (left := {p: c for p, c in running(markers).items() if p not in before}) and (
+        time.monotonic() - ended < timeout_s
+    ):
+        time.sleep(0.2)
+    assert not left, f"left running {timeout_s:.0f} s after {what}: {left}"
+    return time.monotonic() - ended
+
+
+def wait_until_up(proc, markers, before: set[int], timeout_s: float) -> dict[int, str]:
+    """The new processes holding ``markers`` once there are two of each: two servers, their children, two
+    replica actors."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        up = {pid: cmd for pid, cmd in running(markers).items() if pid not in before}
+        if [sum(m in cmd for cmd in up.values()) for m in markers] == [2, 2, 2]:
+            return up
+        time.sleep(0.2)
+    raise AssertionError(f"two servers, their children and two actors never ran (exit {proc.poll()}): {up}")
+
+
+def test_a_sigkilled_or_sigtermed_flow_process_leaves_no_replica_running(tmp_path):
+    """The replica actors belong to the flow's process, the Ray driver. SIGKILLed (a plain driver that
+    serves and waits): Ray ends its actors, and each actor's server group goes with it. SIGTERMed (`eagle3
+    run --until generate`, with its temporary Prefect server, replicas serving the shards): the command's
+    own stop (cli/stopping.py) ends in the same place, one line and exit 143, nothing left."""
     import subprocess
     import sys
+    import uuid
 
-    from conftest import PYTHON, ROOT
+    from conftest import DEMO_RECIPE, PYTHON, ROOT
     from test_server_faults import FAKE_AS_VLLM
 
     wrapper = tmp_path / "fake_as_vllm.py"
@@ -249,7 +278,6 @@ def test_a_sigkilled_flow_process_leaves_no_replica_running(tmp_path):
     before = set(running(markers))
     with LocalCluster(tmp_path / "ray", nodes=2, cpus=1) as cluster:
         sets = [
-            f'run_dir="{tmp_path / "run"}"',
             "server.replicas=2",
             f'cluster.address="{cluster.address}"',
             "cluster.server_gpus=0",
@@ -261,7 +289,10 @@ def test_a_sigkilled_flow_process_leaves_no_replica_running(tmp_path):
             "server.stop_grace_s=5",
         ]
         proc = subprocess.Popen(
-            [sys.executable, str(driver), *sets], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            [sys.executable, str(driver), f'run_dir="{tmp_path / "run"}"', *sets],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         try:
             lines = []
@@ -271,18 +302,41 @@ def test_a_sigkilled_flow_process_leaves_no_replica_running(tmp_path):
                     break
             assert lines and lines[-1].startswith("READY"), "".join(lines[-30:])
             before.add(proc.pid)  # the driver's command line names the wrapper too
-            up = {pid: cmd for pid, cmd in running(markers).items() if pid not in before}
-            kinds = [sum(m in cmd for cmd in up.values()) for m in markers]
-            assert kinds == [2, 2, 2], f"two servers, their children and two actors run: {up}"
+            wait_until_up(proc, markers, before, 10)
             proc.kill()
             proc.wait(10)
-            killed_at = time.monotonic()
-            while (left := {p: c for p, c in running(markers).items() if p not in before}) and (
-                time.monotonic() - killed_at < 30
-            ):
-                time.sleep(0.2)
-            assert not left, f"left running 30 s after the flow's process was SIGKILLed: {left}"
-            print(f"after the SIGKILL everything was gone in {time.monotonic() - killed_at:.1f} s")
+            took = gone_after(proc, markers, before, "the flow's process was SIGKILLed")
+            print(f"after the SIGKILL everything was gone in {took:.1f} s")
         finally:
             if proc.poll() is None:
                 proc.kill()
+
+        # The same replicas under the real command, stopped as a scheduler stops it.
+        run = tmp_path / "run-cli"
+        argv = ["run", "--until", "generate", "--config", str(DEMO_RECIPE), "--progress", "off"]
+        argv += [a for s in (f'run_dir="{run}"', *sets) for a in ("--set", s)]
+        env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "EAGLE3_TEST_RUN": uuid.uuid4().hex}
+        env.pop("PREFECT_API_URL", None)  # its own temporary Prefect server, as a user's run has
+        cli = subprocess.Popen(
+            [PYTHON, "-m", "cli", *argv],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            before.add(cli.pid)  # its command line names the wrapper too
+            wait_until_up(cli, markers, before, 240)
+            cli.send_signal(signal.SIGTERM)
+            out, _ = cli.communicate(timeout=GRACE_S + KILL_WAIT_S + 10)
+            last = out.strip().splitlines()[-1]
+            assert cli.returncode == 143, out[-3000:]
+            assert last.startswith("eagle3 run: stopped by SIGTERM") and "nothing it started is left running" in last
+            took = gone_after(cli, markers, before, "`eagle3 run` stopped on SIGTERM")
+            print(f"after the SIGTERM's stop everything was gone in {took:.1f} s")
+        finally:
+            if cli.poll() is None:
+                os.killpg(cli.pid, signal.SIGKILL)
+                cli.communicate()
