@@ -252,14 +252,14 @@ def wait_until_up(proc, markers, before: set[int], timeout_s: float) -> dict[int
     raise AssertionError(f"two servers, their children and two actors never ran (exit {proc.poll()}): {up}")
 
 
-def test_a_sigkilled_or_sigtermed_flow_process_leaves_no_replica_running(tmp_path):
+def test_a_sigkilled_or_sigtermed_flow_process_leaves_no_replica_running(tmp_path, prefect_api):
     """The replica actors belong to the flow's process, the Ray driver. SIGKILLed (a plain driver that
     serves and waits): Ray ends its actors, and each actor's server group goes with it. SIGTERMed (`eagle3
-    run --until generate`, with its temporary Prefect server, replicas serving the shards): the command's
-    own stop (cli/stopping.py) ends in the same place, one line and exit 143, nothing left."""
+    run --until generate` on the session's Prefect server, replicas serving the shards): the command's own
+    stop (cli/stopping.py) ends in the same place, one line and exit 143, nothing left. (A stop that also
+    takes down the command's temporary Prefect server: tests/integration/test_clean_stop.py.)"""
     import subprocess
     import sys
-    import uuid
 
     from conftest import DEMO_RECIPE, PYTHON, ROOT
     from test_server_faults import FAKE_AS_VLLM
@@ -315,8 +315,7 @@ def test_a_sigkilled_or_sigtermed_flow_process_leaves_no_replica_running(tmp_pat
         run = tmp_path / "run-cli"
         argv = ["run", "--until", "generate", "--config", str(DEMO_RECIPE), "--progress", "off"]
         argv += [a for s in (f'run_dir="{run}"', *sets) for a in ("--set", s)]
-        env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "EAGLE3_TEST_RUN": uuid.uuid4().hex}
-        env.pop("PREFECT_API_URL", None)  # its own temporary Prefect server, as a user's run has
+        env = {**os.environ, "PREFECT_API_URL": prefect_api}
         cli = subprocess.Popen(
             [PYTHON, "-m", "cli", *argv],
             cwd=ROOT,
