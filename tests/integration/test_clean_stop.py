@@ -245,6 +245,14 @@ def assert_stopped_cleanly(cli: Run, stop: dict, own_server: bool = True) -> Non
     assert cli.saw(PREFECT_SERVER) == own_server, "the run had started its temporary Prefect server, or not"
 
 
+def resumed_at(cli: Run) -> tuple[int, int] | None:
+    """(step, of steps) from the run's first `resumed from ... (step k of N)` line; None when it has none."""
+    for line in cli.lines:
+        if found := re.search(r"resumed from .* \(step (\d+) of (\d+)\)", line):
+            return int(found.group(1)), int(found.group(2))
+    return None
+
+
 def graceless(cli: Run) -> str:
     return ", after SIGKILL at the grace's end" if "SIGKILL after" in cli.lines[-1] else ""
 
@@ -349,9 +357,9 @@ def test_sigterm_during_generate_train_and_evaluate_leaves_nothing_and_reruns_re
     assert_stopped_cleanly(second, runs.stops[1], own_server=False)
     assert second.begun[-1] == "train" and second.saw(TORCHRUN) and second.saw(TRAIN_WORKER), second.tail()
     assert runs.stops[1]["shards_done"] == SHARDS, "the rerun after the first stop finished generation"
-    resumed = [m for line in third.lines if (m := re.search(r"resumed from .* \(step (\d+) of (\d+)\)", line))]
+    resumed = resumed_at(third)
     assert resumed, f"the rerun after the stop in train did not resume from a checkpoint:\n{third.tail()}"
-    step, total = int(resumed[0].group(1)), int(resumed[0].group(2))
+    step, total = resumed
     assert step == runs.checkpoint_step and 0 < step < total, (step, total, runs.checkpoint_step)
 
     assert_stopped_cleanly(third, runs.stops[2])
@@ -363,8 +371,8 @@ def test_sigterm_during_generate_train_and_evaluate_leaves_nothing_and_reruns_re
     assert generation_ids(runs.run) == runs.ids
     skipped = f"generate: all {SHARDS} shards complete"
     assert any(skipped in line and "no server started" in line for line in fourth.lines), fourth.tail()
-    resumed = [m for line in fourth.lines if (m := re.search(r"resumed from .* \(step (\d+) of (\d+)\)", line))]
-    assert resumed and resumed[0].group(1) == resumed[0].group(2), "training resumed at its last step"
+    resumed = resumed_at(fourth)
+    assert resumed and resumed[0] == resumed[1], "training resumed at its last step"
     assert not runs.left_at_end, "the finished run left processes behind:\n" + "\n".join(runs.left_at_end)
     print(
         "".join(

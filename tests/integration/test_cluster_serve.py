@@ -229,8 +229,9 @@ asyncio.run(main())
 GRANDCHILD = "cluster-serve-grandchild"
 
 
-def gone_after(proc, markers, before: set[int], what: str, timeout_s: float = 30.0) -> float:
-    """Seconds from ``proc``'s exit until no new process holding one of ``markers`` runs; fails past ``timeout_s``."""
+def gone_after(markers, before: set[int], what: str, timeout_s: float = 30.0) -> float:
+    """Seconds from now (a process's exit) until no new process holding one of ``markers`` runs; fails past
+    ``timeout_s``."""
     ended = time.monotonic()
     while (left := {p: c for p, c in running(markers).items() if p not in before}) and (
         time.monotonic() - ended < timeout_s
@@ -305,7 +306,7 @@ def test_a_sigkilled_or_sigtermed_flow_process_leaves_no_replica_running(tmp_pat
             wait_until_up(proc, markers, before, 10)
             proc.kill()
             proc.wait(10)
-            took = gone_after(proc, markers, before, "the flow's process was SIGKILLed")
+            took = gone_after(markers, before, "the flow's process was SIGKILLed")
             print(f"after the SIGKILL everything was gone in {took:.1f} s")
         finally:
             if proc.poll() is None:
@@ -333,7 +334,7 @@ def test_a_sigkilled_or_sigtermed_flow_process_leaves_no_replica_running(tmp_pat
             last = out.strip().splitlines()[-1]
             assert cli.returncode == 143, out[-3000:]
             assert last.startswith("eagle3 run: stopped by SIGTERM") and "nothing it started is left running" in last
-            took = gone_after(cli, markers, before, "`eagle3 run` stopped on SIGTERM")
+            took = gone_after(markers, before, "`eagle3 run` stopped on SIGTERM")
             print(f"after the SIGTERM's stop everything was gone in {took:.1f} s")
         finally:
             if cli.poll() is None:
