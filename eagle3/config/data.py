@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -15,6 +15,7 @@ DEFAULT_SPLIT = "train"
 # Keys added after runs were already on disk, with their defaults. A run that leaves them at these values
 # hashes as before (``DataConfig.config_hash``), so its prepare marker stays current and nothing is rebuilt.
 LATER_KEYS = {"subset": None, "preset": None, "preset_source": None, "streaming": False, "mix": []}
+SELF_PROMPTS_LATER_KEYS = {"user_starts": []}  # data.self_prompts keys added after runs were on disk
 
 # The dataset presets by name (eagle3/prepare/presets.py defines each one; test_presets.py keeps the two
 # lists equal). The config needs only the names and sits below the stages, so it does not import them.
@@ -31,6 +32,8 @@ class SelfPromptsConfig(_Strict):
     the target's own idea of what users ask. Retries, backoff and the per-request deadline follow
     [generation] (max_attempts, backoff_*, request_timeout_s or deadline_base_s + max_tokens /
     min_tokens_per_s with this section's max_tokens)."""
+
+    LATER_KEYS: ClassVar[dict] = SELF_PROMPTS_LATER_KEYS  # at these values section_hash is what it was
 
     count: int = Field(
         50_000,
@@ -78,6 +81,20 @@ class SelfPromptsConfig(_Strict):
             "string entry: no system message, so a template with a default system prompt (SmolLM2, Qwen2.5) "
             "inserts its own -- the context the model is served in by default. Varied system prompts "
             '("You are a coding assistant.") steer the mix of topics.'
+        ),
+    )
+    user_starts: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Openings of the user turn cycled over requests (request i uses entry i mod len): the target writes the "
+            "rest of the turn after the opening, and the kept prompt is the opening plus what it wrote. An opening "
+            "that asks for work on a text which the user then supplies ('Summarize this paragraph:\\n\\n', "
+            "'Fix this function:\\n\\n```python\\n') makes the target write a document into its own request, "
+            "so the answer reuses the prompt's text (summaries, extraction, edits, code), which plain self-written "
+            "requests rarely do and where a drafter must learn to copy. The filters judge only what the target "
+            "wrote (too_short, near_duplicate: the shared opening is left out). An empty entry: no opening, a "
+            "plain request, so ['', 'A:', '', 'B:'] makes half the requests plain. Default [] (off): every "
+            "request plain, as before this key existed."
         ),
     )
     seed: int = Field(
@@ -356,5 +373,8 @@ class DataConfig(_Strict):
         for key, default in LATER_KEYS.items():
             if dump[key] == default:
                 del dump[key]
+        for key, default in SELF_PROMPTS_LATER_KEYS.items():
+            if dump["self_prompts"].get(key) == default:
+                del dump["self_prompts"][key]
         text = json.dumps(dump, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -7,11 +7,13 @@ duplicate; near_duplicate) and the kept ones become ``RUN/prompts/self/prompts.j
 prepare stage then reads like any local file (ids, shards, its own checks).
 
 Design choices:
-- Request ``i`` is fully determined by its index: system prompt ``i mod len``, seed
+- Request ``i`` is fully determined by its index: system prompt ``i mod len``, the opening of
+  its user turn ``user_starts[i mod len]`` (if any; the kept prompt is the opening plus what the
+  target wrote, and only what it wrote is filtered), seed
   ``seed + i * n`` (vLLM seeds its n samples ``seed + i * n + k``: no seed is used twice).
   Every finished request is appended (flushed, fsynced every generation.fsync_every) to
   ``requests-KEY.jsonl`` as it arrives; KEY hashes what decides the answers (model, the
-  prefixes and stops, temperature, top_p, max_tokens, n, seed). A rerun -- after a kill,
+  prefixes and stops, the openings, temperature, top_p, max_tokens, n, seed). A rerun -- after a kill,
   or with a larger count -- reuses every finished request and asks only the missing ones;
   a change of sampling settings starts a new file instead of mixing answers.
 - Selection runs in request order, whatever order answers arrive in: candidates are judged
@@ -102,6 +104,8 @@ def make_plan(facts: RunFacts) -> Plan:
         "prefixes": [asdict(p) for p in prefixes],
         "sampling": sp.model_dump(include={"temperature", "top_p", "max_tokens", "n", "seed", "seeded"}),
     }
+    if sp.user_starts:  # off: the key of the runs written before the knob
+        decides["user_starts"] = list(sp.user_starts)
     key = hashlib.sha256(json.dumps(decides, sort_keys=True).encode()).hexdigest()[:16]
     return Plan(config.server.model, prefixes, key)
 
@@ -111,11 +115,16 @@ def request_seed(sp: SelfPromptsConfig, index: int) -> int | None:
     return sp.seed + index * sp.n if sp.seeded else None
 
 
+def user_start(sp: SelfPromptsConfig, index: int) -> str:
+    """The opening of request ``index``'s user turn ('' when data.self_prompts.user_starts is off)."""
+    return sp.user_starts[index % len(sp.user_starts)] if sp.user_starts else ""
+
+
 def request_body(plan: Plan, sp: SelfPromptsConfig, index: int, model: str) -> dict:
     turn = plan.prefixes[index % len(plan.prefixes)]
     body = {
         "model": model,
-        "prompt": turn.prefix,
+        "prompt": turn.prefix + user_start(sp, index),
         "max_tokens": sp.max_tokens,
         "temperature": sp.temperature,
         "top_p": sp.top_p,
@@ -135,8 +144,10 @@ def max_requests(sp: SelfPromptsConfig) -> int:
 
 
 def _filters_hash(sp: SelfPromptsConfig) -> str:
-    """What decides the kept set besides the answers (concurrency does not: selection runs in request order)."""
-    return hashlib.sha256(sp.model_dump_json(exclude={"concurrency"}).encode()).hexdigest()[:16]
+    """What decides the kept set besides the answers (concurrency does not: selection runs in request order).
+    Keys added later are left out at their defaults, so a run written before them keeps its marker."""
+    later = {k for k, default in sp.LATER_KEYS.items() if getattr(sp, k) == default}
+    return hashlib.sha256(sp.model_dump_json(exclude={"concurrency", *later}).encode()).hexdigest()[:16]
 
 
 # -- selection, in request order --------------------------------------------------------------------
@@ -193,7 +204,7 @@ class Selector:
 
     def _judge(self, record: dict, k: int, choice: dict) -> None:
         i, raw = record["request"], choice["text"]
-        text = raw.strip()
+        text = raw.strip()  # what the target wrote: the filters judge only this, never the opening
         if self.full:
             return self._reject(
                 i, k, "surplus", f"data.self_prompts.count={self.sp.count} prompts were kept already", raw
@@ -220,7 +231,9 @@ class Selector:
             )
         self.dedup.add(len(self.kept), token)
         turn = self.plan.prefixes[i % len(self.plan.prefixes)]
-        self.kept.append({"messages": turn.messages(text), "request": i, "choice": k})
+        start = user_start(self.sp, i)
+        user = (start + raw).strip() if start else text
+        self.kept.append({"messages": turn.messages(user), "request": i, "choice": k})
 
     def yield_per_request(self) -> float:
         return len(self.kept) / self.requests if self.requests else float(self.sp.n)
@@ -262,6 +275,8 @@ def _record(
         "seed": request_seed(sp, index),
         "attempts": attempts,
     }
+    if sp.user_starts:
+        base["start"] = index % len(sp.user_starts)
     if failure is not None:
         return {**base, "failed": {"kind": failure.kind, "message": failure.message}}
     return {**base, "choices": result["choices"], "usage": result.get("usage"), "latency_s": round(latency, 3)}

@@ -372,3 +372,46 @@ def test_unseeded_requests_send_no_seed_and_get_their_own_request_file(tmp_path)
     assert "seed" not in sp_mod.request_body(unseeded_plan, unseeded.data.self_prompts, 2, "m")
     assert sp_mod.request_seed(unseeded.data.self_prompts, 2) is None
     assert plan.key != unseeded_plan.key  # answers drawn another way are never mixed
+
+
+def test_user_starts_open_the_turn_and_only_what_the_target_wrote_is_filtered(tmp_path):
+    opening = "Summarize this paragraph:\n\n"
+    cfg = config(tmp_path, "data.self_prompts.count=6", f"data.self_prompts.user_starts={json.dumps(['', opening])}")
+    plan = make_plan(RunFacts.resolve(cfg))
+    bodies = [sp_mod.request_body(plan, cfg.data.self_prompts, i, "m") for i in range(4)]
+    assert [b["prompt"].endswith(opening) for b in bodies] == [False, True, False, True]
+    assert bodies[1]["prompt"] == bodies[0]["prompt"] + opening  # the opening continues the same user turn
+    # a written text that repeats another's is a duplicate even though only one carries the opening
+    topics = ["a lighthouse keeper", "bread baking", "tax forms", "orbital decay", "jazz chords", "tide pools"]
+    topics += ["sorting networks", "garden snails", "a train timetable", "volcanic glass", "chess openings"]
+    script = ["The river rose all night and the town woke to water in the streets."] * 2 + [
+        f"Everything I know about {t}, written up as notes for {k + 2} friends." for k, t in enumerate(topics)
+    ]
+    with run_fake_server(FakeConfig(completion_script=script)) as srv:
+        entry = asyncio.run(_collect(cfg, srv.base_url))
+    folder = tmp_path / "run" / "prompts" / "self"
+    kept, rejected = lines(folder / "prompts.jsonl"), lines(folder / "rejected.jsonl")
+    assert entry["in"] == entry["ok"] + entry["filtered"] + entry["failed"] and len(kept) == 6
+    assert any(r["kind"] == "duplicate" for r in rejected)
+    for row in kept:
+        text = row["messages"][0]["content"]
+        assert text.startswith(opening.strip()) == (row["request"] % 2 == 1), text
+        assert "Summarize" not in text[len(opening) :]
+    raw = lines(next(folder.glob("requests-*.jsonl")))
+    assert {r["request"] % 2 for r in raw if r["start"] == 1} == {1}
+
+
+def test_user_starts_off_keeps_every_old_hash_and_on_changes_them(tmp_path):
+    from eagle3.config import PipelineConfig, section_hash
+
+    base = PipelineConfig()
+    # the hashes before data.self_prompts.user_starts existed (main at 2883b3b)
+    assert (base.data.config_hash(), section_hash(base.data.self_prompts)) == ("b08836f2499afdd9", "1b4083d0f9a8022a")
+    assert sp_mod._filters_hash(base.data.self_prompts) == "ba87b3a06faddda4"
+    off = config(tmp_path, "data.self_prompts.n=3")
+    assert make_plan(RunFacts.resolve(off)).key == "916e21154fcb1318"
+    on = config(tmp_path, 'data.self_prompts.user_starts=["Fix this function:\\n\\n"]')
+    assert make_plan(RunFacts.resolve(on)).key != make_plan(RunFacts.resolve(off)).key  # never mixed in one file
+    assert on.data.config_hash() != off.data.config_hash()
+    assert section_hash(on.data.self_prompts) != section_hash(off.data.self_prompts)
+    assert sp_mod._filters_hash(on.data.self_prompts) != sp_mod._filters_hash(off.data.self_prompts)
