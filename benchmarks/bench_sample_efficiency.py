@@ -33,6 +33,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,17 +134,27 @@ def supervised_tokens(run: Path) -> int | None:
     return entry.get("supervised_tokens") or entry.get("tokens")
 
 
-def summary_of(arms: dict, baseline: str) -> dict:
-    summary = {"arms": len(arms)}
-    if baseline in arms:
-        summary["baseline_acceptance_length"] = arms[baseline]["result"]["acceptance_length"]
-    best = max(arms, key=lambda n: arms[n]["result"]["acceptance_length"] or 0.0)
+def summary_of(arms: dict) -> tuple[dict, dict]:
+    """The notebook's summary at the ablation's budget (the sample count most arms trained on): its best arm,
+    that arm's own baseline and their paired difference (numbers), and which arms those are (names, kept
+    beside the summary). Arms at other budgets (the data curve's points) are named, not ranked: more data is
+    not a lever of equal budget."""
+    budgets = Counter(a["budget"]["samples"] for a in arms.values())
+    budget = max(budgets, key=lambda b: (budgets[b], -b))
+    equal = [n for n in arms if arms[n]["budget"]["samples"] == budget]
+    best = max(equal, key=lambda n: arms[n]["result"]["acceptance_length"] or 0.0)
+    summary, names = {"arms": len(arms), "budget_samples": budget}, {"best": best}
     summary["best_acceptance_length"] = arms[best]["result"]["acceptance_length"]
     summary["best_ci95_low"], summary["best_ci95_high"] = arms[best]["result"]["ci95"]
-    diff = arms[best].get("vs_baseline") or {}
-    if diff.get("difference") is not None:
-        summary["best_minus_baseline"] = diff["difference"]
-    return {k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}
+    base = arms[best].get("baseline")
+    if base in arms and base != best:
+        names["best_baseline"] = base
+        summary["baseline_acceptance_length"] = arms[base]["result"]["acceptance_length"]
+        diff = arms[best].get("vs_baseline") or {}
+        if diff.get("difference") is not None:
+            summary["best_minus_baseline"] = diff["difference"]
+    names["at_other_budgets"] = sorted(n for n in arms if n not in equal)
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}, names
 
 
 def run_arm(
@@ -213,10 +224,12 @@ def main() -> None:
         base = arm.get("baseline", "baseline")
         if name != base and (diff := compare(arm, arms.get(base))) is not None:
             arm["vs_baseline"] = diff
+    summary, summary_arms = summary_of(arms)
     results_file.write(
         args.out,
         "sample_efficiency",
-        summary_of(arms, args.baseline),
+        summary,
+        summary_arms=summary_arms,
         started=started,
         recipe=args.recipe,
         baseline=args.baseline,
