@@ -40,7 +40,7 @@ from eagle3.durable import (
     writing,
 )
 from eagle3.layout import RunLayout
-from eagle3.train import levers
+from eagle3.train import levers, optim
 from eagle3.train.checkpoint import as_os_error, check_global_batch, load_tensors_only, optimizer_format
 from eagle3.train.chunked import ChunkedTTTLoss, chunked_target_view
 from eagle3.train.data import (
@@ -140,9 +140,7 @@ class Trainer:
         self.trainable = [
             p for p in self.model.parameters() if p.requires_grad
         ]  # after wrapping: FSDP swaps in sharded parameters
-        self.optimizer = torch.optim.AdamW(
-            self.trainable, lr=self.tc.learning_rate, betas=(0.9, 0.95), weight_decay=self.tc.weight_decay
-        )
+        self.optimizer = optim.build(self.model, self.trainable, self.tc)  # train.optimizer
         self.step, self.best, self.tokens_global = 0, None, 0
         self.ckpt_dir = self.layout.checkpoints
         self.autocast = (

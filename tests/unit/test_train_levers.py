@@ -19,6 +19,7 @@ KNOBS_ON = {
     "freeze_lm_head": True,
     "warm_start": "target_layer",
     "warm_start_layer": 2,
+    "optimizer": "muon",
 }
 
 
