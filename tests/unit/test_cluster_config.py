@@ -88,21 +88,22 @@ def test_an_absent_head_fails_within_the_deadline_naming_the_address():
     assert not is_permanent(err.value)  # a head that is restarting may answer a retry
 
 
-def test_the_cli_refuses_an_unreachable_head_before_any_stage_runs(tmp_path):
+def test_the_cli_refuses_an_unreachable_head_before_any_stage_runs(tmp_path, prefect_api):
     from ray_cluster import free_port
 
     from test_cli import run
 
     address = f"127.0.0.1:{free_port()}"
     sets = [f'run_dir="{tmp_path / "run"}"', f'cluster.address="{address}"', "cluster.connect_timeout_s=1"]
+    api = {"PREFECT_API_URL": prefect_api}  # the session's server: no temporary one started per command
     started = time.monotonic()
-    result = run("run", "--config", str(DEMO_RECIPE), *[x for s in sets for x in ("--set", s)])
+    result = run("run", "--config", str(DEMO_RECIPE), *[x for s in sets for x in ("--set", s)], env=api)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert f"cluster.address '{address}': no Ray head answered" in result.stderr
     assert not (tmp_path / "run").exists(), "nothing ran"
     assert time.monotonic() - started < 60
     # A stage that does not use the cluster does not need it.
-    prepare = run("prepare", "--config", str(DEMO_RECIPE), *[x for s in sets for x in ("--set", s)])
+    prepare = run("prepare", "--config", str(DEMO_RECIPE), *[x for s in sets for x in ("--set", s)], env=api)
     assert prepare.returncode == 0 and "no Ray head answered" not in prepare.stderr, prepare.stderr[-2000:]
 
 
