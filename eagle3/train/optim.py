@@ -9,6 +9,9 @@ Design choices:
   Newton-Schulz iteration (5 steps, coefficients 3.4445, -4.7750, 2.0315: singular values pushed towards
   1 without computing an SVD), then scaled by 0.2 x sqrt(max(rows, cols)), which gives the update about the
   RMS of an AdamW update, so AdamW's learning rate and weight decay carry over (Moonshot's rule).
+- The AdamW half is torch's functional ``adamw``; the Muon half is written here, since torch's ``Muon``
+  is an optimizer of its own (two optimizers would split the checkpoint and the schedule) and its
+  Newton-Schulz is private.
 - Which tensors: 2-D weights that feed a matmul inside the drafter (fc and the decoder layer's q/k/v/o and
   MLP). lm_head (an output head) and the norm vectors stay on AdamW, as Muon's authors advise.
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.optim.adamw import adamw as adamw_update  # torch's AdamW step, functional
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
@@ -54,14 +58,12 @@ class MuonAdamW(torch.optim.Optimizer):
     def step(self, closure=None):
         for group in self.param_groups:
             lr, decay = group["lr"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if group["muon"]:
-                    self._muon(p, state, lr, decay)
-                else:
-                    self._adamw(p, state, lr, decay)
+            params = [p for p in group["params"] if p.grad is not None]
+            if group["muon"]:
+                for p in params:
+                    self._muon(p, self.state[p], lr, decay)
+            else:
+                self._adamw(params, lr, decay)
         return None
 
     @staticmethod
@@ -74,18 +76,29 @@ class MuonAdamW(torch.optim.Optimizer):
         p.mul_(1 - lr * decay)
         p.add_(update, alpha=-lr * 0.2 * math.sqrt(max(p.shape)))
 
-    @staticmethod
-    def _adamw(p, state, lr: float, decay: float) -> None:
-        if "step" not in state:
-            state["step"] = torch.tensor(0.0)
-            state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
-        state["step"] += 1
-        t, (b1, b2) = float(state["step"]), BETAS
-        state["exp_avg"].lerp_(p.grad, 1 - b1)
-        state["exp_avg_sq"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
-        p.mul_(1 - lr * decay)
-        denom = (state["exp_avg_sq"] / (1 - b2**t)).sqrt_().add_(EPS)
-        p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - b1**t))
+    def _adamw(self, params: list[torch.Tensor], lr: float, decay: float) -> None:
+        """torch's own AdamW update (its functional form), on state kept under AdamW's keys."""
+        for p in params:
+            state = self.state[p]
+            if "step" not in state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+        states = [self.state[p] for p in params]
+        adamw_update(
+            params,
+            [p.grad for p in params],
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            [],
+            [s["step"] for s in states],
+            amsgrad=False,
+            beta1=BETAS[0],
+            beta2=BETAS[1],
+            lr=lr,
+            weight_decay=decay,
+            eps=EPS,
+            maximize=False,
+        )
 
 
 def build(model: torch.nn.Module, trainable: list[torch.Tensor], tc) -> torch.optim.Optimizer:

@@ -4,13 +4,15 @@ schedule, checkpoint and resume use as they use AdamW."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
 
 from eagle3.config import ConfigError, PipelineConfig, load_config
 from eagle3.train.optim import MuonAdamW, build, orthogonalise
-from test_train import make_train_run
+from test_train import lines
+from test_train_levers import _trainer
 
 
 @pytest.mark.parametrize("shape", [(16, 64), (64, 16), (24, 24)])
@@ -22,14 +24,6 @@ def test_newton_schulz_moves_every_singular_value_near_one(shape):
     grad = u @ torch.diag(torch.logspace(-1, 1, rank)) @ v.T  # singular values over two decades
     values = torch.linalg.svdvals(orthogonalise(grad))
     assert values.min() > 0.5 and values.max() < 1.3, values  # the quintic's band, not exactly 1
-
-
-def _trainer(tmp_path, *sets):
-    from eagle3.models import resolve_model
-    from eagle3.train.trainer import Dist, Trainer
-
-    config, names = make_train_run(tmp_path, "train.epochs=1", *sets)
-    return Trainer(config, names, resolve_model("tiny:qwen3"), [1, 2, 3], Dist(), log=lambda m: None)
 
 
 def _fake_grads(model, seed=1):
@@ -105,7 +99,7 @@ def test_a_muon_run_trains_and_its_checkpoint_resumes_with_the_muon_state(tmp_pa
 
     first = _trainer(tmp_path, 'train.optimizer="muon"')
     first.train()
-    losses = [x["loss"] for x in _log(first)]
+    losses = [x["loss"] for x in lines(Path(first.config.run_dir) / "train" / "log.jsonl")]
     assert len(losses) >= 2 and losses[-1] < losses[0], losses
     again = Trainer(first.config, first.data.shards, first.model_path, [1, 2, 3], Dist(), log=lambda m: None)
     again._resume()
@@ -115,10 +109,3 @@ def test_a_muon_run_trains_and_its_checkpoint_resumes_with_the_muon_state(tmp_pa
     for index, state in saved["state"].items():
         for key, value in state.items():
             assert torch.equal(loaded["state"][index][key], value), (index, key)
-
-
-def _log(trainer):
-    import json
-    from pathlib import Path
-
-    return [json.loads(x) for x in (Path(trainer.config.run_dir) / "train" / "log.jsonl").read_text().splitlines()]
